@@ -1,0 +1,1 @@
+"""The Textual TUI (installed as ``mlxevict.app``)."""

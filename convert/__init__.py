@@ -1,0 +1,1 @@
+"""GGUF → MLX model folders (installed as ``mlxevict.convert``)."""

@@ -1,0 +1,55 @@
+"""The ``mlxevict`` command line: one subcommand per verb, one clear line per error."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from typing import Callable, Sequence
+
+from . import __version__
+from .errors import MlxEvictError
+
+# name -> (function that adds the subparser). Each adder sets ``func`` on its parser.
+CommandAdder = Callable[["argparse._SubParsersAction"], None]
+
+
+def _command_adders() -> list[CommandAdder]:
+    from .convert.cli import add_convert_parser
+
+    return [add_convert_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlxevict",
+        description="Run long chain-of-thought models on MLX with an entropy-evicting KV cache.",
+    )
+    parser.add_argument("--version", action="version", version=f"mlxevict {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in _command_adders():
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except (MlxEvictError, FileNotFoundError, NotADirectoryError) as err:
+        if args.debug:
+            traceback.print_exc()
+        print(f"mlxevict: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
