@@ -1,0 +1,306 @@
+"""``EvictingKVCache``: fixed-capacity KV storage that a policy keeps under a budget.
+
+The cache speaks mlx-lm's cache protocol, so any supported model takes it in
+place of ``KVCache``. Storage is preallocated once at ``budget`` slots; when new
+tokens would not fit, the policy's scores pick the entries to keep, and the
+kept entries are gathered to the front in time order (compiled kernels). So KV
+memory never exceeds ``budget`` entries and shapes stay fixed while the model
+thinks. ``offset`` stays the absolute position (RoPE needs it); ``size()`` is
+the number of stored entries.
+
+Eviction happens *before* a chunk is appended, using statistics the policy
+collected from earlier queries; it frees ``slack`` extra entries so the next
+``slack`` tokens append without another compaction.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache, create_causal_mask
+
+from .kernels import compact_compiled, priority_compiled
+from .policies import Policy, make_policy
+
+DEFAULT_BUDGET = 2048
+DEFAULT_SINKS = 4
+DEFAULT_WINDOW = 32
+DEFAULT_SLACK = 16
+GROW_STEP = 256
+PROMPT_MODES = ("evict", "compress")
+
+
+def validate_budget(budget: int, sinks: int, window: int, slack: int, pinned_tokens: int = 0) -> None:
+    """Raise a ``ValueError`` that says what to change when the numbers cannot work."""
+    for name, value in (("sinks", sinks), ("window", window), ("slack", slack)):
+        if value < 0:
+            raise ValueError(f"{name}={value} must be >= 0")
+    if budget <= 0:
+        raise ValueError(f"budget={budget} must be a positive number of tokens")
+    protected = sinks + window + pinned_tokens
+    if budget <= protected + slack:
+        what = "sinks + window" + (" + pinned" if pinned_tokens else "") + " + slack"
+        raise ValueError(
+            f"budget={budget} leaves no room to evict: {what} = {protected + slack}; "
+            "raise --budget or lower --window/--sinks"
+        )
+
+
+class EvictingKVCache(_BaseCache):
+    """A KV cache that holds at most ``budget`` entries, evicting by a policy.
+
+    Args:
+        policy: a registry name (``"entropy"``, ``"uncertainty"``, ``"window"``,
+            ``"h2o"``, ``"tova"``, ``"snapkv"``, ``"rkv"``, ``"knorm"``,
+            ``"random"``, ``"full"``, ``"default"``) or a :class:`Policy`.
+        budget: most entries held (per layer and kv-head). Default 2048.
+        sinks: first positions always kept (attention sinks). Default 4.
+        window: most recent positions always kept. Default 32.
+        slack: extra entries freed per eviction, so compaction runs once per
+            ``slack + 1`` tokens. 0 evicts every step. Default 16.
+        prompt_mode: ``"evict"`` keeps the budget during prefill (memory stays
+            flat); ``"compress"`` holds the whole prompt and compresses it to the
+            budget when decoding starts (kvpress style, needs prompt-sized memory).
+        pinned: absolute ``(start, end)`` spans always kept, e.g. the user prompt.
+        policy_kwargs: arguments for the policy class.
+    """
+
+    def __init__(
+        self,
+        policy: str | Policy = "default",
+        budget: int = DEFAULT_BUDGET,
+        *,
+        sinks: int = DEFAULT_SINKS,
+        window: int = DEFAULT_WINDOW,
+        slack: int = DEFAULT_SLACK,
+        prompt_mode: str = "evict",
+        pinned: Sequence[tuple[int, int]] = (),
+        **policy_kwargs: Any,
+    ):
+        self.policy_name = policy if isinstance(policy, str) else policy.name
+        self.policy = make_policy(policy, **policy_kwargs) if isinstance(policy, str) else policy
+        if prompt_mode not in PROMPT_MODES:
+            raise ValueError(f"prompt_mode={prompt_mode!r}; choose one of {PROMPT_MODES}")
+        self.pinned: list[tuple[int, int]] = [(int(a), int(b)) for a, b in pinned]
+        validate_budget(budget, sinks, window, slack, self.pinned_tokens)
+        self.budget, self.sinks, self.window, self.slack = budget, sinks, window, slack
+        self.prompt_mode = prompt_mode
+        self.keys = self.values = self.positions = self.stats = None
+        self.recent_queries = self.recent_query_pos = None
+        self.scale = 1.0
+        self.offset = 0  # absolute position: tokens seen so far
+        self._size = 0  # entries stored
+        self.evictions = 0
+        self._last_budget = budget
+
+    # ---- mlx-lm protocol -------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def pinned_tokens(self) -> int:
+        return sum(max(0, b - a) for a, b in self.pinned)
+
+    @property
+    def max_chunk(self) -> int:
+        """The longest chunk one call may append while the budget holds."""
+        if not self.policy.evicts or self.prompt_mode == "compress":
+            return GROW_STEP
+        return self.budget - self.sinks - self.window - self.pinned_tokens - self.slack
+
+    def size(self) -> int:
+        return self._size
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store ``(B, H, S, D)`` keys/values for ``S`` new tokens; return all kept entries."""
+        B, H, S, D = keys.shape
+        if self.keys is None:
+            self._allocate(B, H, D, values.shape[-1], keys.dtype)
+        elif self.keys.shape[:2] != (B, H) or self.keys.shape[3] != D:
+            raise ValueError(
+                f"this cache holds keys shaped (B={self.keys.shape[0]}, H={self.keys.shape[1]}, "
+                f"D={self.keys.shape[3]}) but got (B={B}, H={H}, D={D}); it was made for another "
+                "model: build a new one with mlxevict.make_cache(model)"
+            )
+        n_keep = self._plan(S)
+        if n_keep is not None:
+            self._evict(n_keep)
+        if self._size + S > self.capacity:
+            self._grow(self._size + S)
+        start, end = self._size, self._size + S
+        self.keys[..., start:end, :] = keys
+        self.values[..., start:end, :] = values
+        self.positions[..., start:end] = mx.arange(self.offset, self.offset + S, dtype=mx.int32)
+        self.stats[..., start:end] = 0.0
+        self._size = end
+        self.offset += S
+        if self.prompt_mode == "compress" and S == 1 and self.policy.evicts and self.capacity > self.budget:
+            self._shrink()
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """The causal mask for a chunk of ``N`` queries over the entries kept after this step."""
+        if window_size is not None:
+            raise ValueError("EvictingKVCache does not support sliding-window attention layers")
+        if N == 1:
+            return None
+        if return_array:
+            n_keep = self._plan(N)
+            before = self._size if n_keep is None else n_keep
+            return create_causal_mask(N, before)
+        return "causal"
+
+    @classmethod
+    def merge(cls, caches):
+        raise NotImplementedError(
+            "EvictingKVCache cannot be batched by mlx-lm's server (batching would drop eviction); "
+            "serve one request at a time"
+        )
+
+    # ---- attention statistics (called by the patched attention) ----------
+    def observe(self, queries: mx.array, scale: float) -> None:
+        """Feed the step's ``(B, H*G, S, D)`` post-RoPE queries to the policy."""
+        self.scale = scale
+        S = queries.shape[2]
+        query_pos = mx.arange(self.offset - S, self.offset, dtype=mx.int32)
+        window = self.policy.query_window
+        if window:
+            if self.recent_queries is None:
+                B, HG, _, D = queries.shape
+                self.recent_queries = mx.zeros((B, HG, window, D), queries.dtype)
+                self.recent_query_pos = mx.full((window,), -1, mx.int32)
+            self.recent_queries = mx.concatenate([self.recent_queries, queries], axis=2)[:, :, -window:]
+            self.recent_query_pos = mx.concatenate([self.recent_query_pos, query_pos])[-window:]
+        if self.policy.observes or self.policy.uses_prediction_entropy:
+            self.policy.observe(self, queries, query_pos)
+
+    def feed_prediction_entropy(self, entropy: mx.array) -> None:
+        """Feed ``H(p_t)`` (``(B, S)`` nats) of the step's positions to the policy."""
+        self.policy.feed_prediction_entropy(self, entropy)
+
+    # ---- eviction ---------------------------------------------------------
+    def _plan(self, S: int) -> int | None:
+        """How many entries to keep before appending ``S`` tokens, or ``None``: no eviction."""
+        if not self.policy.evicts or (self.prompt_mode == "compress" and S > 1):
+            return None
+        compressing = self.prompt_mode == "compress" and self._size > self.budget
+        if not compressing and self._size + S <= self.capacity:
+            return None
+        if S > self.max_chunk:
+            raise ValueError(
+                f"a chunk of {S} tokens does not fit budget={self.budget} with sinks={self.sinks}, "
+                f"window={self.window}, slack={self.slack}; feed at most {self.max_chunk} tokens per "
+                "call (mlxevict.patch splits longer prompts for you)"
+            )
+        self._last_budget = min(self.budget, self.policy.effective_budget(self.budget))
+        floor = self.sinks + self.window + self.pinned_tokens
+        return min(self._size, max(floor, self._last_budget - S - self.slack))
+
+    def _evict(self, n_keep: int) -> None:
+        if n_keep >= self._size:
+            return
+        pinned = mx.array(self.pinned or [(0, 0)], dtype=mx.int32)
+        rank_key = priority_compiled(
+            self.policy.score(self), self.positions, mx.array(self.offset), self.sinks, self.window, pinned
+        )
+        _, (self.positions, self.keys, self.values, self.stats) = compact_compiled(
+            rank_key, mx.array(n_keep), [self.positions, self.keys, self.values, self.stats]
+        )
+        self.evictions += 1
+        self._size = n_keep
+
+    def _allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype) -> None:
+        capacity = self.budget if self.policy.evicts else GROW_STEP
+        self.keys = mx.zeros((B, H, capacity, D), dtype)
+        self.values = mx.zeros((B, H, capacity, Dv), dtype)
+        self.positions = mx.full((B, H, capacity), -1, mx.int32)
+        self.stats = mx.zeros((B, H, capacity), mx.float32)
+
+    def _resize(self, capacity: int) -> None:
+        def fit(x: mx.array, fill) -> mx.array:
+            if x.shape[2] >= capacity:
+                return x[:, :, :capacity]
+            pad = mx.full((*x.shape[:2], capacity - x.shape[2], *x.shape[3:]), fill, x.dtype)
+            return mx.concatenate([x, pad], axis=2)
+
+        self.keys, self.values = fit(self.keys, 0), fit(self.values, 0)
+        self.positions, self.stats = fit(self.positions, -1), fit(self.stats, 0)
+
+    def _grow(self, needed: int) -> None:
+        """Only ``full`` and a prompt being held for compression ever grow."""
+        self._resize(-(-needed // GROW_STEP) * GROW_STEP)
+
+    def _shrink(self) -> None:
+        """After the prompt was compressed, return to a fixed ``budget`` capacity."""
+        self._resize(self.budget)
+
+    # ---- save / load ------------------------------------------------------
+    @property
+    def meta_state(self) -> str:
+        return json.dumps(
+            {
+                "policy": self.policy_name,
+                "policy_config": self.policy.config(),
+                "policy_state": self.policy.runtime_state(),
+                "budget": self.budget,
+                "sinks": self.sinks,
+                "window": self.window,
+                "slack": self.slack,
+                "prompt_mode": self.prompt_mode,
+                "pinned": self.pinned,
+                "offset": self.offset,
+                "size": self._size,
+                "evictions": self.evictions,
+                "scale": self.scale,
+            }
+        )
+
+    @meta_state.setter
+    def meta_state(self, text: str) -> None:
+        meta = json.loads(text)
+        self.__init__(
+            meta["policy"],
+            meta["budget"],
+            sinks=meta["sinks"],
+            window=meta["window"],
+            slack=meta["slack"],
+            prompt_mode=meta["prompt_mode"],
+            pinned=[tuple(p) for p in meta["pinned"]],
+            **meta["policy_config"],
+        )
+        self.policy.load_runtime_state(meta["policy_state"])
+        self.offset, self._size = meta["offset"], meta["size"]
+        self.evictions, self.scale = meta["evictions"], meta["scale"]
+
+    @property
+    def state(self):
+        # mlx-lm's save_prompt_cache stores only ``state``, so the metadata rides along.
+        arrays = (self.keys, self.values, self.positions, self.stats)
+        queries = (self.recent_queries, self.recent_query_pos)
+        return (*arrays, *queries, self.meta_state)
+
+    @state.setter
+    def state(self, v) -> None:
+        self.meta_state = v[6]
+        self.keys, self.values, self.positions, self.stats = v[:4]
+        self.recent_queries, self.recent_query_pos = v[4:6]
+
+    def pin(self, start: int, end: int) -> None:
+        """Always keep absolute positions ``[start, end)`` from now on (e.g. the user prompt)."""
+        validate_budget(self.budget, self.sinks, self.window, self.slack, self.pinned_tokens + end - start)
+        self.pinned.append((int(start), int(end)))

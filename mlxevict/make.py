@@ -1,0 +1,64 @@
+"""``make_cache``: the one call a user needs, mlx-lm's ``make_prompt_cache`` for eviction."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.nn as nn
+
+from .cache import DEFAULT_BUDGET, DEFAULT_SINKS, DEFAULT_SLACK, DEFAULT_WINDOW, EvictingKVCache
+from .patch import patch
+
+
+def make_cache(
+    model: nn.Module,
+    policy: str = "default",
+    budget: int = DEFAULT_BUDGET,
+    *,
+    sinks: int = DEFAULT_SINKS,
+    window: int = DEFAULT_WINDOW,
+    slack: int = DEFAULT_SLACK,
+    prompt_mode: str = "evict",
+    pinned: Sequence[tuple[int, int]] = (),
+    **policy_kwargs: Any,
+) -> list[EvictingKVCache]:
+    """Patch ``model`` and build one :class:`EvictingKVCache` per layer.
+
+    The result goes straight to mlx-lm: ``generate(model, tok, prompt,
+    prompt_cache=make_cache(model, "entropy", 1024))``. Unlike
+    ``make_prompt_cache(model, max_kv_size=...)``, this is not silently ignored
+    for models (such as ``llama``) that define their own ``make_cache``.
+
+    Args:
+        model: an mlx-lm model of a supported architecture (llama, mistral, qwen2, qwen3).
+        policy: registry name; see ``mlxevict.policy_names()``. Default ``"default"``.
+        budget: most KV entries per layer. Default 2048.
+        sinks, window, slack, prompt_mode, pinned, policy_kwargs: see :class:`EvictingKVCache`.
+
+    Returns:
+        A list with one cache per layer.
+
+    Raises:
+        ValueError: unsupported architecture, unknown policy or a budget that cannot work.
+    """
+    caches = [
+        EvictingKVCache(
+            policy,
+            budget,
+            sinks=sinks,
+            window=window,
+            slack=slack,
+            prompt_mode=prompt_mode,
+            pinned=pinned,
+            **policy_kwargs,
+        )
+        for _ in model.layers
+    ]
+    patch(model)
+    return caches
+
+
+def pin(caches: Sequence[EvictingKVCache], start: int, end: int) -> None:
+    """Keep absolute positions ``[start, end)`` in every layer from now on."""
+    for cache in caches:
+        cache.pin(start, end)

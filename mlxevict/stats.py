@@ -1,0 +1,68 @@
+"""Cache statistics as data: what the evicting caches hold, drop and save."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .cache import EvictingKVCache
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A snapshot over all layers' caches. Entry counts are per layer (the maximum).
+
+    Attributes:
+        policy: the policy name.
+        budget: most entries a layer holds.
+        effective_budget: the entries the policy holds now (``uncertainty`` adapts it).
+        capacity: allocated slots per layer.
+        kept: entries stored now.
+        evicted: tokens dropped so far (tokens seen − kept).
+        tokens_seen: the absolute position, ``offset``.
+        nbytes: KV bytes allocated now, all layers.
+        full_nbytes: KV bytes a full ``KVCache`` would hold for ``tokens_seen``.
+    """
+
+    policy: str
+    budget: int
+    effective_budget: int
+    capacity: int
+    kept: int
+    evicted: int
+    tokens_seen: int
+    nbytes: int
+    full_nbytes: int
+
+    @property
+    def saved_nbytes(self) -> int:
+        return max(0, self.full_nbytes - self.nbytes)
+
+
+def bytes_per_token(cache: EvictingKVCache) -> int:
+    """KV bytes one token costs in one layer (keys + values, all kv-heads)."""
+    if cache.keys is None:
+        return 0
+    B, H, _, D = cache.keys.shape
+    Dv = cache.values.shape[3]
+    return B * H * (D + Dv) * cache.keys.dtype.size
+
+
+def cache_stats(caches: Sequence[EvictingKVCache]) -> CacheStats:
+    """Summarise a model's list of evicting caches (as returned by ``make_cache``)."""
+    evicting = [c for c in caches if isinstance(c, EvictingKVCache)]
+    if not evicting:
+        raise ValueError("cache_stats needs the caches made by mlxevict.make_cache")
+    first = evicting[0]
+    kept = max(c.size() for c in evicting)
+    return CacheStats(
+        policy=first.policy_name,
+        budget=first.budget,
+        effective_budget=first._last_budget,
+        capacity=max(c.capacity for c in evicting),
+        kept=kept,
+        evicted=first.offset - kept,
+        tokens_seen=first.offset,
+        nbytes=sum(c.nbytes for c in evicting),
+        full_nbytes=sum(c.offset * bytes_per_token(c) for c in evicting),
+    )
