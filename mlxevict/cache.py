@@ -26,19 +26,31 @@ from .policies import Policy, make_policy
 
 DEFAULT_BUDGET = 2048
 DEFAULT_SINKS = 4
-DEFAULT_WINDOW = 32
-DEFAULT_SLACK = 16
+DEFAULT_WINDOW = 32  # at most; never more than budget // 8 unless asked
+DEFAULT_SLACK = 16  # at most; never more than budget // 16 unless asked
 GROW_STEP = 256
 PROMPT_MODES = ("evict", "compress")
 
 
+def default_window(budget: int) -> int:
+    return max(1, min(DEFAULT_WINDOW, budget // 8))
+
+
+def default_slack(budget: int) -> int:
+    return min(DEFAULT_SLACK, budget // 16)
+
+
+def check_budget(budget: int) -> None:
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+        raise ValueError(f"budget={budget!r} must be a positive number of tokens")
+
+
 def validate_budget(budget: int, sinks: int, window: int, slack: int, pinned_tokens: int = 0) -> None:
     """Raise a ``ValueError`` that says what to change when the numbers cannot work."""
+    check_budget(budget)
     for name, value in (("sinks", sinks), ("window", window), ("slack", slack)):
         if value < 0:
             raise ValueError(f"{name}={value} must be >= 0")
-    if budget <= 0:
-        raise ValueError(f"budget={budget} must be a positive number of tokens")
     protected = sinks + window + pinned_tokens
     if budget <= protected + slack:
         what = "sinks + window" + (" + pinned" if pinned_tokens else "") + " + slack"
@@ -57,9 +69,9 @@ class EvictingKVCache(_BaseCache):
             ``"random"``, ``"full"``, ``"default"``) or a :class:`Policy`.
         budget: most entries held (per layer and kv-head). Default 2048.
         sinks: first positions always kept (attention sinks). Default 4.
-        window: most recent positions always kept. Default 32.
+        window: most recent positions always kept. Default ``min(32, budget // 8)``.
         slack: extra entries freed per eviction, so compaction runs once per
-            ``slack + 1`` tokens. 0 evicts every step. Default 16.
+            ``slack + 1`` tokens. 0 evicts every step. Default ``min(16, budget // 16)``.
         prompt_mode: ``"evict"`` keeps the budget during prefill (memory stays
             flat); ``"compress"`` holds the whole prompt and compresses it to the
             budget when decoding starts (kvpress style, needs prompt-sized memory).
@@ -73,8 +85,8 @@ class EvictingKVCache(_BaseCache):
         budget: int = DEFAULT_BUDGET,
         *,
         sinks: int = DEFAULT_SINKS,
-        window: int = DEFAULT_WINDOW,
-        slack: int = DEFAULT_SLACK,
+        window: int | None = None,
+        slack: int | None = None,
         prompt_mode: str = "evict",
         pinned: Sequence[tuple[int, int]] = (),
         **policy_kwargs: Any,
@@ -84,6 +96,9 @@ class EvictingKVCache(_BaseCache):
         if prompt_mode not in PROMPT_MODES:
             raise ValueError(f"prompt_mode={prompt_mode!r}; choose one of {PROMPT_MODES}")
         self.pinned: list[tuple[int, int]] = [(int(a), int(b)) for a, b in pinned]
+        check_budget(budget)
+        window = default_window(budget) if window is None else window
+        slack = default_slack(budget) if slack is None else slack
         validate_budget(budget, sinks, window, slack, self.pinned_tokens)
         self.budget, self.sinks, self.window, self.slack = budget, sinks, window, slack
         self.prompt_mode = prompt_mode

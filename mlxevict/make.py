@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import mlx.nn as nn
 
-from .cache import DEFAULT_BUDGET, DEFAULT_SINKS, DEFAULT_SLACK, DEFAULT_WINDOW, EvictingKVCache
+from .cache import DEFAULT_BUDGET, DEFAULT_SINKS, EvictingKVCache
 from .patch import patch
 
 
@@ -16,8 +16,8 @@ def make_cache(
     budget: int = DEFAULT_BUDGET,
     *,
     sinks: int = DEFAULT_SINKS,
-    window: int = DEFAULT_WINDOW,
-    slack: int = DEFAULT_SLACK,
+    window: int | None = None,
+    slack: int | None = None,
     prompt_mode: str = "evict",
     pinned: Sequence[tuple[int, int]] = (),
     **policy_kwargs: Any,

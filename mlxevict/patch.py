@@ -13,6 +13,7 @@ the :func:`patched` context) restores both.
 from __future__ import annotations
 
 import sys
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -25,7 +26,8 @@ from .kernels import prediction_entropy_compiled
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 STATS_CHUNK = 256  # most queries per call, bounds the (S x C) attention statistics
 _ORIGINAL_SDPA = "_mlxevict_original_sdpa"
-_patched_per_module: dict[str, int] = {}  # restore a module's attention when its last model unpatches
+# A module's attention is restored when no live model of it is patched any more.
+_patched_per_module: dict[str, weakref.WeakValueDictionary] = {}  # id(model) -> model
 
 
 def check_supported(model: nn.Module) -> None:
@@ -108,7 +110,7 @@ def patch(model: nn.Module) -> nn.Module:
     original = module.scaled_dot_product_attention
     if not hasattr(original, _ORIGINAL_SDPA):
         module.scaled_dot_product_attention = _evicting_sdpa(original)
-    _patched_per_module[module.__name__] = _patched_per_module.get(module.__name__, 0) + 1
+    _patched_per_module.setdefault(module.__name__, weakref.WeakValueDictionary())[id(model)] = model
     base = type(model)
     model.__class__ = type(base.__name__, (base,), {"__call__": _chunked_call, "_mlxevict_base": base})
     return model
@@ -121,9 +123,10 @@ def unpatch(model: nn.Module) -> nn.Module:
     base = type(model)._mlxevict_base
     model.__class__ = base
     module = sys.modules[base.__module__]
-    _patched_per_module[module.__name__] -= 1
+    still_patched = _patched_per_module[module.__name__]
+    still_patched.pop(id(model), None)
     original = getattr(module.scaled_dot_product_attention, _ORIGINAL_SDPA, None)
-    if original is not None and _patched_per_module[module.__name__] == 0:
+    if original is not None and not still_patched:
         module.scaled_dot_product_attention = original
     return model
 

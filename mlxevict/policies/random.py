@@ -21,3 +21,10 @@ class RandomPolicy(Policy):
 
     def config(self) -> dict:
         return {"seed": self.seed}
+
+    def runtime_state(self) -> dict:
+        return {"key": self._key.tolist()}
+
+    def load_runtime_state(self, state: dict) -> None:
+        if "key" in state:
+            self._key = mx.array(state["key"], dtype=mx.uint32)

@@ -1,0 +1,40 @@
+"""Real mlx-lm models with random weights, small enough for fast unit tests."""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+import mlx.nn as nn
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+VOCAB = 128
+
+
+def tiny_model(model_type: str = "llama", *, layers: int = 2, seed: int = 0, **overrides) -> nn.Module:
+    """A randomly initialised mlx-lm model (GQA: 4 query heads, 2 kv-heads, head_dim 16)."""
+    module = importlib.import_module(f"mlx_lm.models.{'llama' if model_type == 'mistral' else model_type}")
+    config = dict(
+        model_type=model_type,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
+    config.update(overrides)
+    args = module.ModelArgs.from_dict(config)
+    mx.random.seed(seed)
+    model = module.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def random_tokens(n: int, seed: int = 1) -> mx.array:
+    return mx.random.randint(0, VOCAB, (n,), key=mx.random.key(seed))
