@@ -233,7 +233,7 @@ class EvictingKVCache(_BaseCache):
         rank_key = priority_compiled(
             self.policy.score(self), self.positions, mx.array(self.offset), self.sinks, self.window, pinned
         )
-        _, (self.positions, self.keys, self.values, self.stats) = compact_compiled(
+        self.positions, self.keys, self.values, self.stats = compact_compiled(
             rank_key, mx.array(n_keep), [self.positions, self.keys, self.values, self.stats]
         )
         self.evictions += 1

@@ -9,8 +9,6 @@ kv-head (GQA), ``S`` new queries, ``C`` cache slots, ``D`` head dim.
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 
 NEG_INF = -1e30  # finite, so 0 * NEG_INF stays finite inside entropies
@@ -136,9 +134,7 @@ def priority(
     return mx.where(positions >= 0, ranked, -2 * PROTECTED)
 
 
-def compact(
-    rank_key: mx.array, n_keep: mx.array, slots: list[mx.array]
-) -> tuple[mx.array, list[mx.array]]:
+def compact(rank_key: mx.array, n_keep: mx.array, slots: list[mx.array]) -> list[mx.array]:
     """Keep the ``n_keep`` highest-priority slots per head, moved to the front in time order.
 
     Args:
@@ -147,9 +143,8 @@ def compact(
         slots: per-slot arrays shaped ``(B, H, C, ...)``; the first is ``positions``.
 
     Returns:
-        ``(kept, gathered)``: ``kept`` is ``(B, H, C)`` bool in the new order, and
-        each array of ``slots`` gathered into the new order (positions of the
-        dropped tail set to -1).
+        Each array of ``slots`` gathered into the new order; positions of the
+        dropped tail are set to -1.
     """
     C = rank_key.shape[-1]
     order = mx.argsort(-rank_key, axis=-1)  # B, H, C: best first
@@ -157,13 +152,12 @@ def compact(
     slot = mx.arange(C)
     keep = rank < n_keep
     new_order = mx.argsort(mx.where(keep, slot, slot + C), axis=-1)  # kept first, in time order
-    kept = slot < n_keep  # B, H, C after reordering, same for every head
     gathered = []
     for x in slots:
         idx = new_order.reshape(new_order.shape + (1,) * (x.ndim - 3))
         gathered.append(mx.take_along_axis(x, idx, axis=2))
-    gathered[0] = mx.where(kept, gathered[0], -1)
-    return kept, gathered
+    gathered[0] = mx.where(slot < n_keep, gathered[0], -1)
+    return gathered
 
 
 def gqa_mean(x: mx.array) -> mx.array:
@@ -178,8 +172,3 @@ prediction_entropy_compiled = mx.compile(prediction_entropy)
 key_redundancy_compiled = mx.compile(key_redundancy)
 priority_compiled = mx.compile(priority)
 compact_compiled = mx.compile(compact)
-
-
-def max_entropy(n: int) -> float:
-    """The entropy of a uniform distribution over ``n`` outcomes (nats)."""
-    return math.log(max(n, 1))
