@@ -1,0 +1,106 @@
+"""A minimal GGUF writer for tests: craft small, exact files without a new dependency.
+
+Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ALIGNMENT = 32
+TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q6_K": 14, "BF16": 30}
+_BYTES_PER_BLOCK = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def _string(s: str) -> bytes:
+    raw = s.encode("utf-8")
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _value(v: Any) -> tuple[int, bytes]:
+    """(GGUF value type, encoded value)."""
+    if isinstance(v, bool):
+        return 7, struct.pack("<?", v)
+    if isinstance(v, int):
+        return 4, struct.pack("<I", v)
+    if isinstance(v, float):
+        return 6, struct.pack("<f", v)
+    if isinstance(v, str):
+        return 8, _string(v)
+    if isinstance(v, list):
+        if all(isinstance(x, str) for x in v):
+            return 9, struct.pack("<IQ", 8, len(v)) + b"".join(_string(x) for x in v)
+        arr = np.asarray(v, dtype=np.int32)
+        return 9, struct.pack("<IQ", 5, len(arr)) + arr.tobytes()
+    raise TypeError(f"cannot encode {v!r}")
+
+
+def write_gguf(path: Path, metadata: dict[str, Any], tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> Path:
+    """Write a GGUF v3 file.
+
+    Args:
+        path: where to write.
+        metadata: key -> str, bool, int (uint32), float (float32) or list of str/int.
+        tensors: name -> (type name, numpy-order shape, raw bytes).
+    """
+    header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata))
+    for key, v in metadata.items():
+        vtype, raw = _value(v)
+        header += _string(key) + struct.pack("<I", vtype) + raw
+    data = b""
+    for name, (type_name, shape, raw) in tensors.items():
+        data += b"\0" * (-len(data) % ALIGNMENT)
+        header += _string(name) + struct.pack("<I", len(shape)) + struct.pack(f"<{len(shape)}Q", *reversed(shape))
+        header += struct.pack("<IQ", TYPE_IDS[type_name], len(data))
+        data += raw
+    header += b"\0" * (-len(header) % ALIGNMENT)
+    path.write_bytes(header + data)
+    return path
+
+
+def f32(array: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
+    """A float32 tensor entry for ``write_gguf``."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    return "F32", array.shape, array.tobytes()
+
+
+def random_blocks(type_name: str, shape: tuple[int, ...], rng: np.random.Generator) -> tuple[str, tuple, bytes]:
+    """A tensor entry of random but valid Q4_0/Q4_1/Q8_0 blocks (scales in [0.01, 0.1])."""
+    n_blocks = int(np.prod(shape)) // 32
+    blocks = rng.integers(0, 256, size=(n_blocks, _BYTES_PER_BLOCK[type_name]), dtype=np.uint8)
+    blocks[:, 0:2] = rng.uniform(0.01, 0.1, size=(n_blocks, 1)).astype(np.float16).view(np.uint8)
+    if type_name == "Q4_1":
+        blocks[:, 2:4] = rng.uniform(-0.5, 0.5, size=(n_blocks, 1)).astype(np.float16).view(np.uint8)
+    return type_name, shape, blocks.tobytes()
+
+
+def dequantize_reference(type_name: str, shape: tuple[int, ...], raw: bytes) -> np.ndarray:
+    """Decode blocks exactly as the GGUF spec states (float32), independent of the converter."""
+    blocks = np.frombuffer(raw, dtype=np.uint8).reshape(-1, _BYTES_PER_BLOCK[type_name])
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    if type_name == "Q8_0":
+        values = d * blocks[:, 2:].view(np.int8).astype(np.float32)
+    else:
+        qs = blocks[:, 4:] if type_name == "Q4_1" else blocks[:, 2:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+        if type_name == "Q4_1":
+            values = d * q + blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        else:
+            values = d * (q - 8)
+    return values.reshape(shape)
+
+
+def byte_level_vocab() -> list[str]:
+    """GPT-2's 256 byte symbols followed by ChatML's two control tokens."""
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    symbols = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in symbols:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)] + ["<|im_start|>", "<|im_end|>"]

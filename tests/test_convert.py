@@ -1,0 +1,387 @@
+"""The GGUF → MLX converter: exact tiny models, block decoding, clear errors, and the real SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models import llama, qwen2
+from mlx_lm.models.rope_utils import Llama3RoPE
+from mlx_lm.utils import load_tokenizer
+
+from gguf_writer import byte_level_vocab, dequantize_reference, f32, random_blocks, write_gguf
+from mlxevict.cli import main
+from mlxevict.convert import convert as convert_module
+from mlxevict.convert import convert_gguf
+from mlxevict.convert.gguf import read_gguf
+from mlxevict.convert.quants import to_mlx
+from mlxevict.convert.weights import llama3_rope_factors
+from mlxevict.demo_model import demo_model_path
+from mlxevict.errors import MlxEvictError
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+HIDDEN, LAYERS, FFN, HEADS, KV_HEADS, HEAD_DIM = 64, 2, 96, 4, 2, 16
+ROPE_BASE = 10000.0
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# GGUF names, written out as llama.cpp names them (the converter's own table is not reused).
+GGUF_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+QUESTION = "What is the capital of France?"
+# Measured q4 vs float32 max |logit difference| on LOGITS_TEXT: 0.03 (logits span ±40).
+LOGITS_MAX_DIFF = 0.15
+LOGITS_TEXT = (
+    "The history of the Roman Empire spans more than a thousand years. It began when Augustus became the first "
+    "emperor in 27 BC, after a long period of civil war. At its height, the empire stretched from Britain in the "
+    "north to Egypt in the south, and from Spain in the west to Mesopotamia in the east. Roads, aqueducts and "
+    "cities connected its provinces, while Latin and Greek served as common languages. Trade flourished across "
+    "the Mediterranean, which the Romans called Mare Nostrum, our sea. The empire faced many challenges, including "
+    "invasions, economic troubles and political instability. In 395 AD it was divided into eastern and western "
+    "halves. The western empire fell in 476, but the eastern empire, later known as the Byzantine Empire, survived "
+    "until 1453, when Constantinople was captured by the Ottoman Turks. Its laws, languages and buildings still "
+    "shape Europe today, from the alphabet we write with to the calendar that names our months."
+)
+
+
+# --- tiny models with random weights -------------------------------------------------------------
+
+
+def _source_model(arch: str, rope_scaling: dict | None = None) -> tuple[object, dict]:
+    """An mlx-lm model in Hugging Face layout with random weights (norms included)."""
+    module = {"llama": llama, "qwen2": qwen2}[arch]
+    args = dict(
+        model_type=arch, hidden_size=HIDDEN, num_hidden_layers=LAYERS, intermediate_size=FFN,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, rms_norm_eps=1e-5,
+        vocab_size=len(byte_level_vocab()), rope_theta=ROPE_BASE, max_position_embeddings=512,
+        rope_scaling=rope_scaling, tie_word_embeddings=arch == "llama",
+    )  # fmt: skip
+    model = module.Model(module.ModelArgs(**args))
+    mx.random.seed(0)
+    model.update(tree_map(lambda p: 0.2 * mx.random.normal(p.shape), model.parameters()))
+    return model, args
+
+
+def _permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of llama Q/K rows into interleaved RoPE order."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_from_model(path: Path, model, arch: str, rope_scaling: dict | None = None) -> Path:
+    """Write ``model`` as llama.cpp would: GGUF names, permuted llama Q/K, tokenizer metadata."""
+    tensors = {}
+    for name, w in tree_flatten(model.parameters()):
+        module, param = name.rsplit(".", 1)
+        a = np.array(w)
+        if module.startswith("model.layers."):
+            _, _, layer, sub = module.split(".", 3)
+            gguf_module = f"blk.{layer}.{GGUF_NAMES[sub]}"
+            if arch == "llama" and sub in ("self_attn.q_proj", "self_attn.k_proj"):
+                a = _permute_for_gguf(a, HEADS if sub == "self_attn.q_proj" else KV_HEADS)
+        else:
+            gguf_module = GGUF_NAMES[module]
+        tensors[f"{gguf_module}.{param}"] = f32(a)
+    if rope_scaling is not None:
+        # llama.cpp stores llama3 scaling only as per-frequency wavelength factors.
+        rope = model.model.layers[0].self_attn.rope
+        tensors["rope_freqs.weight"] = f32(np.array(rope._freqs) / ROPE_BASE ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))
+    vocab = byte_level_vocab()
+    metadata = {
+        "general.architecture": arch,
+        f"{arch}.block_count": LAYERS,
+        f"{arch}.context_length": 512,
+        f"{arch}.embedding_length": HIDDEN,
+        f"{arch}.feed_forward_length": FFN,
+        f"{arch}.attention.head_count": HEADS,
+        f"{arch}.attention.head_count_kv": KV_HEADS,
+        f"{arch}.rope.freq_base": ROPE_BASE,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "llama-bpe" if arch == "llama" else "qwen2",
+        "tokenizer.ggml.tokens": vocab,
+        "tokenizer.ggml.token_type": [1] * 256 + [3, 3],
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.bos_token_id": 256,
+        "tokenizer.ggml.eos_token_id": 257,
+        "tokenizer.chat_template": CHATML,
+    }
+    return write_gguf(path, metadata, tensors)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_gguf(tmp_path_factory) -> Path:
+    model, _ = _source_model("llama")
+    return _gguf_from_model(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", model, "llama")
+
+
+def _assert_same_logits(source, out_dir: Path) -> None:
+    converted, _ = mlx_lm.load(str(out_dir))
+    tokens = mx.array(np.random.default_rng(0).integers(0, 258, size=(1, 24)))
+    np.testing.assert_allclose(np.array(converted(tokens)), np.array(source(tokens)), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "arch, rope_scaling",
+    [("llama", None), ("llama", LLAMA3_SCALING), ("qwen2", None)],
+    ids=["llama", "llama3-rope", "qwen2"],
+)
+def test_tiny_model_converts_to_same_logits(tmp_path, capsys, arch, rope_scaling):
+    source, _ = _source_model(arch, rope_scaling)
+    gguf = _gguf_from_model(tmp_path / "m.gguf", source, arch, rope_scaling)
+    out = tmp_path / "out"
+    assert main(["convert", str(gguf), str(out)]) == 0
+    assert "converted" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_traditional"] is (arch == "llama")
+    assert config["rope_scaling"] == rope_scaling
+    assert "quantization" not in config
+    _assert_same_logits(source, out)
+
+
+def test_llama3_rope_factors_match_mlx_lm():
+    rope = Llama3RoPE(HEAD_DIM, traditional=True, base=ROPE_BASE, scaling_config=LLAMA3_SCALING)
+    expected = np.array(rope._freqs) / ROPE_BASE ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    factors = llama3_rope_factors(ROPE_BASE, HEAD_DIM, LLAMA3_SCALING)
+    assert len(set(factors.round(3).tolist())) > 2  # the test spans low, medium and high frequencies
+    np.testing.assert_allclose(factors, expected, rtol=1e-5)
+
+
+def test_sharded_output_loads(tmp_path, tiny_llama_gguf, monkeypatch):
+    monkeypatch.setattr(convert_module, "SHARD_BYTES", 64 * 1024)
+    out = convert_gguf(tiny_llama_gguf, tmp_path / "out")
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
+    _assert_same_logits(_source_model("llama")[0], out)
+
+
+def test_dtype_float16_casts_everything(tmp_path, tiny_llama_gguf):
+    out = convert_gguf(tiny_llama_gguf, tmp_path / "out", dtype="float16")
+    assert {a.dtype for a in mx.load(str(out / "model.safetensors")).values()} == {mx.float16}
+
+
+# --- quantized blocks --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("type_name, bits", [("Q4_0", 4), ("Q4_1", 4), ("Q8_0", 8)])
+def test_quantized_blocks_match_mlx_reader_and_spec(tmp_path, type_name, bits):
+    shape = (48, 96)
+    entry = random_blocks(type_name, shape, np.random.default_rng(1))
+    path = write_gguf(tmp_path / "q.gguf", {"general.architecture": "llama"}, {"w.weight": entry})
+    gguf = read_gguf(path)
+    info = gguf.tensors["w.weight"]
+    tensor = to_mlx(gguf.read_tensor_bytes(info), info.shape, info.type_name)
+    assert tensor.bits == bits and tensor.weight.shape == (48, 96 * bits // 32)
+    reference = mx.load(str(path))  # MLX's own GGUF reader packs these types the same way
+    for part in ("weight", "scales", "biases"):
+        assert mx.array_equal(getattr(tensor, part), reference[f"w.{part}"]).item(), part
+    np.testing.assert_allclose(
+        np.array(tensor.dequantize(mx.float32)), dequantize_reference(type_name, shape, entry[2]), rtol=0, atol=1e-6
+    )
+
+
+# --- bad inputs --------------------------------------------------------------------------------
+
+
+def _minimal_gguf(path: Path, arch: str = "llama", tensor_type: str = "F32") -> Path:
+    raw = np.zeros(32, dtype=np.float32).tobytes()
+    return write_gguf(path, {"general.architecture": arch}, {"token_embd.weight": (tensor_type, (1, 32), raw)})
+
+
+def _bytes(data: bytes):
+    def make(path: Path, good: Path) -> Path:
+        path.write_bytes(data)
+        return path
+
+    return make
+
+
+def _cut(start: int, stop: int | None):
+    def make(path: Path, good: Path) -> Path:
+        path.write_bytes(good.read_bytes()[start:stop])
+        return path
+
+    return make
+
+
+# case -> (make the bad file from a good one, what the error line must say)
+BAD_INPUTS = {
+    "not-gguf": (_bytes(b"PK\x03\x04 this is a zip"), "not a GGUF file"),
+    "empty": (_bytes(b""), "not a GGUF file"),
+    "missing": (lambda path, good: path, "no such file"),
+    "version-1": (_bytes(b"GGUF" + struct.pack("<I", 1) + bytes(16)), "GGUF version 1 is not supported"),
+    "truncated-header": (_cut(0, 300), "truncated"),
+    "truncated-data": (_cut(0, -100), "truncated"),
+    "architecture": (lambda path, good: _minimal_gguf(path, arch="mamba"), "architecture 'mamba' is not supported"),
+    "tensor-type": (lambda path, good: _minimal_gguf(path, tensor_type="Q6_K"), "tensor type Q6_K is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_clear_line(tmp_path, capsys, tiny_llama_gguf, case):
+    make, message = BAD_INPUTS[case]
+    bad = make(tmp_path / "bad.gguf", tiny_llama_gguf)
+    assert main(["convert", str(bad), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mlxevict: error: ") and message in err, err
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.*"))  # no temporary folder left behind
+
+
+def test_non_empty_out_dir_needs_force(tmp_path, capsys, tiny_llama_gguf):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["convert", str(tiny_llama_gguf), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "is not empty" in err and "--force" in err and err.count("\n") == 1
+    assert (out / "keep.txt").read_text() == "mine"
+    assert main(["convert", str(tiny_llama_gguf), str(out), "--force"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip
+
+
+def test_force_never_deletes_the_gguf_itself(tmp_path, capsys, tiny_llama_gguf):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    gguf = folder / "m.gguf"
+    gguf.write_bytes(tiny_llama_gguf.read_bytes())
+    assert main(["convert", str(gguf), str(folder), "--force"]) == 1
+    assert "holds the GGUF file" in capsys.readouterr().err and gguf.exists()
+
+
+def test_help_names_architectures(capsys):
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    out = capsys.readouterr().out
+    assert "llama" in out and "qwen2" in out and "Q4_1" in out and "example" in out
+
+
+def test_real_subprocess_error_has_no_traceback(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_text("hello")
+    script = Path(sysconfig.get_path("scripts")) / "mlxevict"
+    proc = subprocess.run([str(script), "convert", str(bad), str(tmp_path / "out")], capture_output=True, text=True)
+    assert proc.returncode == 1
+    expected = f"mlxevict: error: {bad}: not a GGUF file (starts with b'hell', expected b'GGUF')"
+    assert proc.stderr.strip().splitlines() == [expected]
+
+
+def test_demo_model_offline_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXEVICT_CACHE", str(tmp_path))
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens on the discard port
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    with pytest.raises(MlxEvictError, match="could not download the demo model"):
+        demo_model_path("q4")
+    assert not any(p.name.endswith(".partial") for p in tmp_path.rglob("*"))
+
+
+# --- the real SmolLM2-135M-Instruct ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [None, "float32"], ids=["quantized", "float32"])
+def test_converted_smollm_answers_paris(smollm_gguf_path, tmp_path, capsys, dtype):
+    out = tmp_path / "smollm"
+    assert main(["convert", str(smollm_gguf_path), str(out), *(["--dtype", dtype] if dtype else [])]) == 0
+    model, tokenizer = mlx_lm.load(str(out))
+    messages = [{"role": "user", "content": QUESTION}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    answer = mlx_lm.generate(model, tokenizer, prompt, max_tokens=16)  # greedy by default
+    assert "Paris" in answer, answer
+
+
+@pytest.mark.slow
+def test_real_gguf_tensors_match_mlx_reader(smollm_gguf_path):
+    gguf = read_gguf(smollm_gguf_path)
+    reference = mx.load(str(smollm_gguf_path))
+    assert {t.type_name for t in gguf.tensors.values()} == {"F32", "Q4_1", "Q8_0"}
+    for name, info in gguf.tensors.items():
+        tensor = to_mlx(gguf.read_tensor_bytes(info), info.shape, info.type_name)
+        base = name.removesuffix(".weight")
+        parts = {"weight": tensor.weight}
+        if tensor.quantized:
+            parts |= {"scales": tensor.scales, "biases": tensor.biases}
+        for part, array in parts.items():
+            key = f"{base}.{part}" if tensor.quantized else name
+            assert mx.array_equal(array, reference[key]).item(), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "text",
+    ["Digits 0123456789 and 2024-12-31", "tabs\t\tand   runs of   spaces\n\n\nand newlines", "emoji 👋🏽 🇫🇷 🤖!",
+     "<|im_start|>user\nHi<|im_end|>\n", "  leading and trailing  ", "café, naïve, Straße, 東京"],
+)  # fmt: skip
+def test_tokenizer_round_trips(smollm_path, text):
+    tokenizer = load_tokenizer(smollm_path)
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+@pytest.mark.slow
+def test_tokenizer_special_tokens_and_digits(smollm_path):
+    tokenizer = load_tokenizer(smollm_path)
+    assert tokenizer.encode("<|im_start|>") == [1] and tokenizer.encode("<|im_end|>") == [2]
+    assert len(tokenizer.encode("2024")) == 4  # SmolLM's pre-tokenizer splits every digit
+    assert tokenizer.eos_token_ids == {2}
+
+
+@pytest.mark.slow
+def test_chat_template_renders_as_in_gguf(smollm_path, smollm_gguf_path):
+    _, metadata = mx.load(str(smollm_gguf_path), return_metadata=True)  # an independent GGUF reader
+    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        metadata["tokenizer.chat_template"]
+    )
+    tokenizer = load_tokenizer(smollm_path)
+    conversations = [
+        [{"role": "user", "content": QUESTION}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}],
+    ]  # fmt: skip
+    for messages in conversations:
+        expected = template.render(messages=messages, add_generation_prompt=True)
+        assert tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == expected
+    assert expected.startswith("<|im_start|>system\nBe brief.<|im_end|>\n") and expected.endswith("assistant\n")
+
+
+@pytest.mark.slow
+def test_quantized_and_float32_logits_agree(smollm_path, smollm_q4_path):
+    f32_model, tokenizer = mlx_lm.load(str(smollm_path))
+    q4_model, _ = mlx_lm.load(str(smollm_q4_path))
+    tokens = mx.array(tokenizer.encode(LOGITS_TEXT))[None]
+    assert 190 <= tokens.shape[1] <= 220
+    a = f32_model(tokens)[0]
+    b = q4_model(tokens)[0].astype(mx.float32)
+    assert mx.array_equal(a.argmax(-1), b.argmax(-1)).item()
+    assert mx.abs(a - b).max().item() < LOGITS_MAX_DIFF
