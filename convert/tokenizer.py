@@ -27,6 +27,10 @@ _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# llama.cpp's fallback when a GGUF names no pre-tokenizer: these regexes, each splitting
+# the pieces of the one before.
+_DEFAULT_REGEXES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]")
 _QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -40,7 +44,7 @@ _SPECIAL_TOKEN_KEYS = {
 # tokenizer.ggml.pre -> (pre-tokenizer family, ignore_merges). llama-3 matches whole
 # words found in the vocab before merging, as its Hugging Face tokenizer does.
 PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
-    "default": ("gpt2", False),
+    "default": ("default", False),
     "gpt2": ("gpt2", False),
     "smollm": ("smollm", False),
     "llama-bpe": ("llama3", True),
@@ -66,7 +70,7 @@ def build_tokenizer(gguf: GGUFFile) -> Tokenizer:
     kind = gguf.require("tokenizer.ggml.model")
     if kind != "gpt2":
         raise MlxEvictError(f"{gguf.path}: tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is")
-    # llama.cpp treats a missing name as "default" (GPT-2 splitting); so do we.
+    # llama.cpp treats a missing name as "default"; so do we.
     pre = str(gguf.metadata.get("tokenizer.ggml.pre", "default"))
     if pre not in PRE_TOKENIZERS:
         raise MlxEvictError(
@@ -103,10 +107,10 @@ def _pre_tokenizer(family: str) -> pre_tokenizers.PreTokenizer:
             return byte_level
         # SmolLM splits every digit on its own before the GPT-2 regex.
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    regex = _LLAMA3_REGEX if family == "llama3" else _QWEN2_REGEX
+    regexes = {"default": _DEFAULT_REGEXES, "llama3": (_LLAMA3_REGEX,), "qwen2": (_QWEN2_REGEX,)}[family]
     return pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            *(pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )

@@ -24,6 +24,7 @@ from mlxevict.convert import convert as convert_module
 from mlxevict.convert import convert_gguf
 from mlxevict.convert.gguf import read_gguf
 from mlxevict.convert.quants import to_mlx
+from mlxevict.convert.tokenizer import build_tokenizer
 from mlxevict.convert.weights import llama3_rope_factors
 from mlxevict.demo_model import demo_model_path
 from mlxevict.errors import MlxEvictError
@@ -186,6 +187,25 @@ def test_sharded_output_loads(tmp_path, tiny_llama_gguf, monkeypatch):
 def test_dtype_float16_casts_everything(tmp_path, tiny_llama_gguf):
     out = convert_gguf(tiny_llama_gguf, tmp_path / "out", dtype="float16")
     assert {a.dtype for a in mx.load(str(out / "model.safetensors")).values()} == {mx.float16}
+
+
+@pytest.mark.parametrize(
+    "pre, words",
+    [
+        ("gpt2", ["I", "'m", "Ġ12345", "Ġgo", "!!"]),
+        ("smollm", ["I", "'m", "Ġ", "1", "2", "3", "4", "5", "Ġgo", "!!"]),
+        ("llama-bpe", ["I", "'m", "Ġ", "123", "45", "Ġgo", "!!"]),
+        ("qwen2", ["I", "'m", "Ġ", "1", "2", "3", "4", "5", "Ġgo", "!!"]),
+        ("default", ["I", "'", "m", "Ġ", "123", "45", "Ġgo", "!!"]),
+    ],
+)
+def test_pre_tokenizer_splits_as_named(tmp_path, pre, words):
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": byte_level_vocab()}
+    metadata["tokenizer.ggml.merges"] = []
+    if pre != "default":
+        metadata["tokenizer.ggml.pre"] = pre
+    tokenizer = build_tokenizer(read_gguf(write_gguf(tmp_path / "t.gguf", metadata, {})))
+    assert [w for w, _ in tokenizer.pre_tokenizer.pre_tokenize_str("I'm 12345 go!!")] == words
 
 
 # --- quantized blocks --------------------------------------------------------------------------
