@@ -86,7 +86,7 @@ class GGUFFile:
     @property
     def architecture(self) -> str:
         """``general.architecture``, e.g. ``llama``."""
-        return str(self.metadata.get("general.architecture", "<missing>"))
+        return str(self.require("general.architecture"))
 
     def require(self, key: str) -> Any:
         """The metadata value for ``key``; a clear error if the file lacks it."""
@@ -102,10 +102,13 @@ class GGUFFile:
 class _Reader:
     """Sequential little-endian reads that report a short file as truncation."""
 
-    def __init__(self, fh: BinaryIO, path: Path):
-        self.fh, self.path = fh, path
+    def __init__(self, fh: BinaryIO, path: Path, size: int):
+        self.fh, self.path, self.size = fh, path, size
 
     def take(self, n: int) -> bytes:
+        # Check before reading: a corrupt length could ask for exabytes.
+        if n > self.size - self.fh.tell():
+            raise MlxEvictError(f"{self.path}: GGUF file is truncated (header ends early)")
         data = self.fh.read(n)
         if len(data) != n:
             raise MlxEvictError(f"{self.path}: GGUF file is truncated (header ends early)")
@@ -154,7 +157,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
         raise MlxEvictError(f"{path}: no such file")
     size = path.stat().st_size
     with path.open("rb") as fh:
-        reader = _Reader(fh, path)
+        reader = _Reader(fh, path, size)
         magic = fh.read(4)
         if magic != GGUF_MAGIC:
             raise MlxEvictError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
@@ -173,7 +176,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
             dims = [reader.scalar("<Q") for _ in range(ndim)]
             type_id, rel_offset = reader.scalar("<I"), reader.scalar("<Q")
             raw_tensors.append((name, tuple(reversed(dims)), type_id, rel_offset))
-        alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0:
+            raise MlxEvictError(f"{path}: general.alignment={alignment!r} is invalid; the file is corrupt")
         data_start = -(-fh.tell() // alignment) * alignment
 
     tensors: dict[str, TensorInfo] = {}

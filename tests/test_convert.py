@@ -12,6 +12,8 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import llama, qwen2
@@ -274,6 +276,24 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys, tiny_llama_gguf, case):
     assert err.count("\n") == 1 and err.startswith("mlxevict: error: ") and message in err, err
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.*"))  # no temporary folder left behind
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_damaged_file_is_refused_cleanly(tmp_path, tiny_llama_gguf, data):
+    good = tiny_llama_gguf.read_bytes()
+    cut = data.draw(st.integers(0, len(good) - 1), label="cut")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(good[:cut])
+    with pytest.raises(MlxEvictError):
+        read_gguf(bad)
+    # One corrupt header byte: refused with MlxEvictError or parsed, never another exception.
+    at = data.draw(st.integers(0, 600), label="at")
+    bad.write_bytes(good[:at] + bytes([good[at] ^ 0xFF]) + good[at + 1 :])
+    try:
+        read_gguf(bad)
+    except MlxEvictError:
+        pass
 
 
 def test_non_empty_out_dir_needs_force(tmp_path, capsys, tiny_llama_gguf):
