@@ -9,15 +9,19 @@ from typing import Callable, Sequence
 
 from . import __version__
 from .errors import MlxEvictError
+from .openblas import reexec_with_openblas
 
 # name -> (function that adds the subparser). Each adder sets ``func`` on its parser.
 CommandAdder = Callable[["argparse._SubParsersAction"], None]
 
 
 def _command_adders() -> list[CommandAdder]:
+    from .commands.chat import add_chat_parser
+    from .commands.generate import add_generate_parser
+    from .commands.info import add_info_parser
     from .convert.cli import add_convert_parser
 
-    return [add_convert_parser]
+    return [add_generate_parser, add_chat_parser, add_info_parser, add_convert_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:
+        # Only the real command re-executes (tests call main with a list).
+        reexec_with_openblas(sys.argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Tuple
 
 from .stats import CacheStats
 from .telemetry import MemorySnapshot
@@ -43,3 +43,4 @@ class Finished:
     answer: str
     progress: Progress
     message: str = ""  # e.g. what the memory guard saw
+    tokens: Tuple[int, ...] = ()  # the generated token ids, end-of-sequence included

@@ -1,0 +1,171 @@
+"""What the model-running commands share: the common options, loading, the budget, the stats line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Optional, TextIO
+
+from ..cache import DEFAULT_BUDGET, DEFAULT_SINKS, DEFAULT_WINDOW
+from ..errors import MlxEvictError
+from ..events import Finished
+from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_TEMP, DEFAULT_TOP_P
+from ..make import make_cache
+from ..policies import policy_names
+from ..resolve import FAMILY_NAME, Resolved, load_model, resolve_model
+from ..telemetry import BudgetRequest, budget_tokens, format_bytes, kv_bytes_per_token, parse_budget
+
+MODEL_HELP = (
+    f"an MLX model folder, a .gguf file, a Hugging Face repo id, or {FAMILY_NAME} "
+    "(the largest distill that fits this machine); default: the offline demo model (SmolLM2-135M-Instruct)"
+)
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+DEFAULT_BUDGET_TEXT = f"default ({DEFAULT_BUDGET})"
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """``MODEL`` (optional), and ``--debug`` also after the command name."""
+    parser.add_argument("model", metavar="MODEL", nargs="?", help=MODEL_HELP)
+    # SUPPRESS: an unset --debug here must not undo ``mlxevict --debug COMMAND``.
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+
+
+def add_cache_options(parser: argparse.ArgumentParser) -> None:
+    """``--policy``, ``--budget``, ``--window``, ``--sinks``."""
+    group = parser.add_argument_group("KV cache")
+    group.add_argument(
+        "--policy", default="default", choices=policy_names(), help="eviction policy (default: %(default)s)"
+    )
+    group.add_argument(
+        "--budget",
+        help="most KV entries per layer: tokens (2048), KV memory (1.5GB, 800MB) or auto (from free memory); "
+        f"default {DEFAULT_BUDGET}, at most the model's context",
+    )
+    group.add_argument(
+        "--window", type=int, default=None, help=f"recent tokens always kept (default: min({DEFAULT_WINDOW}, budget/8))"
+    )
+    group.add_argument(
+        "--sinks", type=int, default=DEFAULT_SINKS, help="first tokens always kept (default %(default)s)"
+    )
+
+
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    """``--max-tokens``, ``--temp``, ``--top-p``, ``--seed``."""
+    group = parser.add_argument_group("sampling")
+    group.add_argument(
+        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="most tokens to generate (default %(default)s)"
+    )
+    group.add_argument(
+        "--temp", type=float, default=DEFAULT_TEMP, help="sampling temperature, 0 = greedy (default %(default)s)"
+    )
+    group.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help="nucleus sampling mass (default %(default)s)")
+    group.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+
+
+def check_sampling(args: argparse.Namespace) -> None:
+    """Refuse sampling values mlx-lm would misbehave on, before a model is loaded."""
+    if args.max_tokens < 1:
+        raise MlxEvictError(f"--max-tokens {args.max_tokens} must be at least 1")
+    if args.temp < 0:
+        raise MlxEvictError(f"--temp {args.temp} must be >= 0 (0 is greedy)")
+    if not 0 < args.top_p <= 1:
+        raise MlxEvictError(f"--top-p {args.top_p} must be in (0, 1]")
+
+
+def report(line: str) -> None:
+    print(f"mlxevict: {line}", file=sys.stderr, flush=True)
+
+
+def load(args: argparse.Namespace) -> tuple[Resolved, Any, Any]:
+    """Resolve ``args.model`` (telling the user about choices) and load it."""
+    resolved = resolve_model(args.model, progress=sys.stderr.isatty(), report=report)
+    model, tokenizer = load_model(resolved)
+    return resolved, model, tokenizer
+
+
+def resolve_budget(request: BudgetRequest, model: Any) -> int:
+    """Tokens for ``--budget``: memory forms use the model's KV bytes per token; capped at its context."""
+    limit = getattr(model.args, "max_position_embeddings", None)
+    tokens = budget_tokens(request, model, context_limit=limit)
+    if request.nbytes is not None and tokens < 1:
+        raise MlxEvictError(
+            f"--budget {request.text} holds no token of this model's KV ({kv_bytes_per_token(model)} bytes per "
+            "token); give more memory or a number of tokens"
+        )
+    if limit and tokens > limit:
+        # The cache allocates its budget up front; slots beyond the context would never be used.
+        if request.text != DEFAULT_BUDGET_TEXT:
+            report(
+                f"--budget {request.text} is {tokens} tokens, more than the model's context of {limit}; using {limit}"
+            )
+        tokens = limit
+    return tokens
+
+
+def build_caches(model: Any, args: argparse.Namespace, request: BudgetRequest) -> list:
+    """``make_cache`` from the command line's options, with CLI wording on errors."""
+    budget = resolve_budget(request, model)
+    try:
+        return make_cache(model, args.policy, budget, sinks=args.sinks, window=args.window)
+    except ValueError as err:
+        given = "" if request.tokens is not None else f" (--budget {request.text} = {budget} tokens)"
+        raise MlxEvictError(f"{err}{given}") from None
+
+
+def use_color(stream: TextIO) -> bool:
+    return stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+
+
+def stats_line(finished: Finished) -> str:
+    """One line: tokens, tok/s, KV kept/capacity, evicted, peak memory, why it stopped."""
+    p = finished.progress
+    prompt = f"prompt {p.prompt_tokens} tokens, {p.prompt_tokens_per_s:.1f} tok/s"
+    parts = [f"{p.generated_tokens} tokens, {p.tokens_per_s:.1f} tok/s ({prompt})"]
+    if p.cache is not None:
+        c = p.cache
+        held = f"{format_bytes(c.nbytes)} vs {format_bytes(c.full_nbytes)} full"
+        parts.append(f"KV kept {c.kept}/{c.capacity}, evicted {c.evicted}, {held}")
+    parts.append(f"peak {format_bytes(p.memory.mlx_peak)}")
+    parts.append(finished.reason)
+    return "[" + " | ".join(parts) + "]"
+
+
+class TextPrinter:
+    """Streams the answer to ``out`` and the reasoning to ``err`` (dimmed on a terminal) or nowhere."""
+
+    def __init__(self, out: TextIO, err: TextIO, *, show_reasoning: bool = True):
+        self.out, self.err, self.show_reasoning = out, err, show_reasoning
+        self.dim = use_color(err)
+        self.last: Optional[str] = None
+
+    def write(self, kind: str, text: str) -> None:
+        if kind == "reasoning":
+            if not self.show_reasoning:
+                return
+            self.err.write(f"{DIM}{text}{RESET}" if self.dim else text)
+            self.err.flush()
+        else:
+            if self.last == "reasoning" and self.show_reasoning:
+                self.err.write("\n\n")
+                self.err.flush()
+            self.out.write(text)
+            self.out.flush()
+        self.last = kind
+
+    def end(self) -> None:
+        """Close the last line of streamed text."""
+        if self.last == "answer":
+            self.out.write("\n")
+            self.out.flush()
+        elif self.last == "reasoning" and self.show_reasoning:
+            self.err.write("\n")
+            self.err.flush()
+        self.last = None
+
+
+def budget_option(args: argparse.Namespace) -> BudgetRequest:
+    """``--budget`` read (bad forms fail here, before a model loads); unset is the default budget."""
+    if args.budget is None:
+        return BudgetRequest(DEFAULT_BUDGET_TEXT, tokens=DEFAULT_BUDGET)
+    return parse_budget(args.budget)

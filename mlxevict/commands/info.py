@@ -1,0 +1,158 @@
+"""``mlxevict info [MODEL]``: a memory plan, without loading the weights."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Optional
+
+import psutil
+
+from ..cache import DEFAULT_BUDGET
+from ..openblas import openblas_library, openblas_loaded
+from ..resolve import DEEPSEEK_R1_DISTILL, check_architecture, hub_weights_nbytes, resolve_model
+from ..telemetry import (
+    DEFAULT_MARGIN,
+    fit_budget,
+    folder_dtype_size,
+    format_bytes,
+    kv_shape,
+    parse_budget,
+    weights_nbytes,
+)
+from .common import add_model_argument
+
+PLAN_TOKENS = (8 * 1024, 32 * 1024, 128 * 1024)
+
+_EPILOG = """\
+The plan: weights size, KV bytes per token (layers x kv-heads x head-dim x 2 x
+dtype size), a full cache's KV at 8k/32k/128k tokens, the budget that fits this
+machine's free memory (auto), and what an evicting cache of --budget tokens saves
+against a full cache at 32k tokens (or the model's context, if shorter). A hub
+repo's weights are not downloaded for this (only its config).
+
+examples:
+  mlxevict info                                        # the demo model
+  mlxevict info mlx-community/DeepSeek-R1-Distill      # which distill fits, and its plan
+  mlxevict info ./smollm2 --budget 1.5GB --json
+"""
+
+
+def add_info_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``info`` on the top-level ``mlxevict`` parser."""
+    parser = subparsers.add_parser(
+        "info",
+        help="show a model's memory plan: weights, KV per token, the budget that fits",
+        description="Show a model's memory plan: weights, KV bytes per token, full-cache sizes, the budget that fits.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_argument(parser)
+    parser.add_argument(
+        "--budget",
+        default=str(DEFAULT_BUDGET),
+        help="the budget whose savings to show: tokens, 1.5GB or auto (default %(default)s)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.set_defaults(func=run_info)
+
+
+def _weights_size(resolved, config_weights: int) -> tuple[Optional[int], str]:
+    if config_weights:
+        return config_weights, "on disk"
+    size = hub_weights_nbytes(resolved.name)
+    if size:
+        return size, "to download"
+    known = {m.repo: m for m in DEEPSEEK_R1_DISTILL}.get(resolved.name)
+    if known:
+        return known.weights_nbytes, "to download, approximate"
+    return None, "unknown (not downloaded)"
+
+
+def plan(args: argparse.Namespace) -> dict[str, Any]:
+    # The family choice's reason is part of the plan, so resolution reports nothing itself.
+    resolved = resolve_model(args.model, weights=False, progress=sys.stderr.isatty())
+    config = check_architecture(resolved.path)
+    dtype_size = folder_dtype_size(resolved.path)
+    shape = kv_shape(config, dtype_size)
+    per_token = shape.bytes_per_token
+    weights, weights_note = _weights_size(resolved, weights_nbytes(resolved.path))
+    memory = psutil.virtual_memory()
+    context = config.get("max_position_embeddings")
+    # The weights still to be loaded come out of what is available now.
+    free = max(0, memory.available - (weights or 0) - DEFAULT_MARGIN)
+    auto = fit_budget(per_token, free, context_limit=context)
+    request = parse_budget(args.budget)
+    budget = request.tokens or (request.nbytes // per_token if request.nbytes else auto)
+    budget = min(budget, context) if context else budget
+    compare_at = min(context or PLAN_TOKENS[1], PLAN_TOKENS[1])
+    full = per_token * compare_at
+    held = per_token * min(budget, compare_at)
+    return {
+        "model": resolved.name,
+        "path": str(resolved.path),
+        "source": resolved.source,
+        "reason": resolved.reason,
+        "architecture": config.get("model_type"),
+        "layers": shape.layers,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "dtype_size": shape.dtype_size,
+        "kv_bytes_per_token": per_token,
+        "weights_nbytes": weights,
+        "weights_note": weights_note,
+        "context_limit": context,
+        "full_kv_nbytes": {str(n): per_token * n for n in PLAN_TOKENS},
+        "system_total": memory.total,
+        "system_available": memory.available,
+        "auto_budget": auto,
+        "budget": budget,
+        "budget_kv_nbytes": per_token * budget,
+        "compare_at_tokens": compare_at,
+        "saved_nbytes": full - held,
+        "saved_fraction": (full - held) / full if full else 0.0,
+        "openblas": openblas_loaded() if openblas_library() else None,
+    }
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def render(p: dict[str, Any]) -> str:
+    weights = format_bytes(p["weights_nbytes"]) if p["weights_nbytes"] else "?"
+    context = p["context_limit"]
+    auto_kv = p["auto_budget"] * p["kv_bytes_per_token"]
+    compare = p["compare_at_tokens"]
+    full = "   ".join(
+        f"{_k(int(n))}: {format_bytes(b)}" + (" (beyond the context limit)" if context and int(n) > context else "")
+        for n, b in p["full_kv_nbytes"].items()
+    )
+    lines = [
+        f"model         {p['model']}  ({p['architecture']}, {p['source']}: {p['path']})",
+        f"weights       {weights} ({p['weights_note']})",
+        f"KV per token  {p['kv_bytes_per_token']:,} bytes = {p['layers']} layers x {p['kv_heads']} kv-heads x "
+        f"{p['head_dim']} head-dim x 2 x {p['dtype_size']} bytes",
+        f"full KV       {full}",
+        f"context       {context or '?'} tokens",
+        f"memory        {format_bytes(p['system_total'])} total, {format_bytes(p['system_available'])} available now",
+        f"budget        auto = {p['auto_budget']:,} tokens ({format_bytes(auto_kv)} KV) "
+        "fits this machine next to the weights",
+        f"eviction      --budget {p['budget']:,} tokens holds {format_bytes(p['budget_kv_nbytes'])} of KV; "
+        f"a full cache at {_k(compare)} tokens holds {format_bytes(p['kv_bytes_per_token'] * compare)}: "
+        f"saves {format_bytes(p['saved_nbytes'])} ({100 * p['saved_fraction']:.0f}%)",
+    ]
+    if p["reason"]:
+        lines.insert(1, f"chosen        {p['reason']}")
+    if p["openblas"] is not None:
+        blas = "OpenBLAS preloaded" if p["openblas"] else "reference BLAS (slow): set LD_PRELOAD to OpenBLAS"
+        lines.append(f"cpu blas      {blas}")
+    return "\n".join(lines)
+
+
+def run_info(args: argparse.Namespace) -> int:
+    parse_budget(args.budget)  # a bad budget fails before any download
+    p = plan(args)
+    print(json.dumps(p) if args.json else render(p))
+    return 0

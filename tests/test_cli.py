@@ -1,0 +1,392 @@
+"""The ``mlxevict`` commands as a user runs them: output, stats, JSON, every bad input, Ctrl-C."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pty
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_model import build_tiny_model, write_hub_repo
+
+from mlxevict.cli import main
+from mlxevict.openblas import REEXEC_GUARD, openblas_library, preload_env
+from mlxevict.telemetry import kv_bytes_per_token
+
+PROMPT = "Tell me a long story about a fox who learns to count."
+STATS = re.compile(
+    r"^\[(\d+) tokens, [\d.]+ tok/s \(prompt (\d+) tokens, [\d.]+ tok/s\) \| KV kept (\d+)/(\d+), evicted (\d+), "
+    r"[\d.]+ \w?i?B vs [\d.]+ \w?i?B full \| peak [\d.]+ \w?i?B \| (stop|length|memory|interrupted)\]$"
+)
+QWEN_1_5B = "mlx-community/DeepSeek-R1-Distill-Qwen-1.5B-4bit"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("cli") / "tiny", template="chatml")
+
+
+@pytest.fixture(scope="module")
+def tiny_think(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("cli") / "think", template="think")
+
+
+@pytest.fixture(scope="module")
+def tiny_short(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("cli") / "short", max_position_embeddings=64)
+
+
+@pytest.fixture(autouse=True)
+def offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+
+
+def cli(capsys, *args: str, stdin: str | None = None) -> tuple[int, str, str]:
+    if stdin is not None:
+        sys.stdin = io.StringIO(stdin)
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def stats_of(err: str) -> re.Match:
+    last = err.rstrip("\n").splitlines()[-1]
+    match = STATS.match(last)
+    assert match, f"no stats line: {last!r}"
+    return match
+
+
+def one_error_line(err: str, expected: str) -> None:
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mlxevict: error: "), err
+    assert expected in lines[0], lines[0]
+
+
+# ---- help and version -------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["generate", "chat", "info"])
+def test_help_has_examples(capsys, command):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "examples:" in out and f"mlxevict {command}" in out
+    if command != "info":
+        for option in ("--policy", "--budget", "--max-tokens", "--temp", "--top-p", "--seed", "--window", "--sinks"):
+            assert option in out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("mlxevict 0.1.0")
+
+
+# ---- generate -----------------------------------------------------------------------------------
+def test_generate_streams_text_and_ends_with_stats(capsys, tiny):
+    rc, out, err = cli(
+        capsys,
+        "generate",
+        tiny,
+        "-p",
+        PROMPT,
+        "--policy",
+        "entropy",
+        "--budget",
+        "64",
+        "--max-tokens",
+        "100",
+        "--seed",
+        "0",
+    )
+    assert rc == 0 and len(out.strip()) > 50
+    stats = stats_of(err)
+    tokens, prompt, kept, capacity, evicted, reason = stats.groups()
+    assert (int(tokens), reason) == (100, "length")
+    assert int(kept) <= int(capacity) == 64 and int(evicted) == int(prompt) + 100 - int(kept) > 0
+
+
+def test_generate_json(capsys, tiny):
+    rc, out, err = cli(
+        capsys, "generate", tiny, "-p", PROMPT, "--budget", "64", "--max-tokens", "30", "--json", "--temp", "0"
+    )
+    result = json.loads(out)
+    assert rc == 0 and err == "" and out.count("\n") == 1
+    assert result["finish_reason"] == "length" and result["generated_tokens"] == 30 and result["answer"]
+    assert result["cache"]["kept"] <= result["cache"]["capacity"] == result["budget"] == 64
+    assert result["cache"]["tokens_seen"] == result["prompt_tokens"] + 30
+    assert result["memory"]["system_total"] > 0 and result["model"] == "tiny"
+
+
+def test_generate_reads_the_prompt_from_stdin(capsys, tiny):
+    rc, out, err = cli(capsys, "generate", tiny, "--max-tokens", "5", "--json", stdin="Why is the sky blue?\n")
+    assert rc == 0 and json.loads(out)["prompt_tokens"] > 8
+
+
+def test_generate_on_a_terminal_without_prompt_uses_the_demo_prompt(capsys, tiny):
+    leader, follower = pty.openpty()
+    try:
+        with open(follower, "r", closefd=False) as terminal:
+            sys.stdin = terminal
+            rc, out, err = cli(capsys, "generate", tiny, "--max-tokens", "5")
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert rc == 0 and "using the demo prompt" in err.splitlines()[0]
+
+
+def test_reasoning_goes_to_stderr_or_nowhere(capsys, tiny_think):
+    rc, out, err = cli(capsys, "generate", tiny_think, "-p", PROMPT, "--max-tokens", "20", "--temp", "0")
+    reasoning = err.splitlines()[0]
+    assert rc == 0 and out == "" and len(reasoning) > 10  # the template opened <think>: all of it is reasoning
+    rc, out, err = cli(
+        capsys, "generate", tiny_think, "-p", PROMPT, "--max-tokens", "20", "--temp", "0", "--hide-reasoning"
+    )
+    assert rc == 0 and out == "" and len(err.splitlines()) == 1 and stats_of(err)
+    rc, out, _ = cli(capsys, "generate", tiny_think, "-p", PROMPT, "--max-tokens", "20", "--temp", "0", "--json")
+    assert json.loads(out)["reasoning"].startswith(reasoning)
+
+
+def test_budget_as_memory_and_auto(capsys, tiny):
+    per_token = 2 * 2 * 16 * 2 * 4
+    rc, out, _ = cli(
+        capsys, "generate", tiny, "-p", "hi", "--max-tokens", "2", "--json", "--budget", f"{per_token * 100 / 1000}KB"
+    )
+    assert rc == 0 and json.loads(out)["budget"] == 100
+    rc, out, _ = cli(capsys, "generate", tiny, "-p", "hi", "--max-tokens", "2", "--json", "--budget", "auto")
+    assert rc == 0 and json.loads(out)["budget"] == 2048  # free memory is plenty: the model's context limit
+
+
+def test_budget_beyond_the_context_is_capped_and_said(capsys, tiny):
+    rc, out, err = cli(capsys, "generate", tiny, "-p", "hi", "--max-tokens", "2", "--json", "--budget", "1GB")
+    assert rc == 0 and json.loads(out)["budget"] == 2048
+    assert err == "mlxevict: --budget 1GB is 1953125 tokens, more than the model's context of 2048; using 2048\n"
+
+
+# ---- bad input -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["zzzqqq"], "unknown model 'zzzqqq'"),
+        (["deepseek-r1-distil"], "(did you mean mlx-community/DeepSeek-R1-Distill?)"),
+        (["mlx-community/DeepSeek-R1-Distil"], "(did you mean mlx-community/DeepSeek-R1-Distill?)"),
+        (["someone/missing"], "someone/missing is not in the local hub cache"),
+        (["./no/such/dir"], "./no/such/dir: no such file or folder"),
+        (["TINY", "--budget", "abc"], "bad --budget 'abc': give tokens (2048), KV memory (1.5GB, 800MB) or auto"),
+        (["TINY", "--budget", "1.5"], "bad --budget '1.5'"),
+        (["TINY", "--budget", "0"], "bad --budget '0': the budget must be a positive number of tokens"),
+        (["TINY", "--budget=-3"], "bad --budget '-3'"),
+        (["TINY", "--budget", "12XB"], "bad --budget '12XB'"),
+        (["TINY", "--budget", "100B"], "--budget 100B holds no token of this model's KV (512 bytes per token)"),
+        (["TINY", "--budget", "3"], "budget=3 leaves no room to evict"),
+        (["TINY", "--budget", "2KB"], "(--budget 2KB = 3 tokens)"),
+        (["TINY", "--budget", "16", "--window", "20"], "budget=16 leaves no room to evict"),
+        (["TINY", "-p", ""], "empty prompt: give some text with -p or on stdin"),
+        (["TINY", "-p", "   \n "], "empty prompt"),
+        (["TINY", "--max-tokens", "0"], "--max-tokens 0 must be at least 1"),
+        (["TINY", "--temp", "-1"], "--temp -1.0 must be >= 0"),
+        (["TINY", "--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
+        (["SHORT", "-p", "word " * 80], "but the model's context limit is 64; shorten the prompt"),
+    ],
+)
+def test_generate_bad_input_is_one_line_and_exit_1(capsys, tiny, tiny_short, args, message):
+    args = [{"TINY": tiny, "SHORT": tiny_short}.get(a, a) for a in args]
+    if "-p" not in args:
+        args += ["-p", "hello"]
+    rc, out, err = cli(capsys, "generate", *args)
+    assert rc == 1 and out == ""
+    one_error_line(err, message)
+
+
+def test_empty_stdin_is_an_empty_prompt(capsys, tiny):
+    rc, _, err = cli(capsys, "generate", tiny, stdin="  \n")
+    assert rc == 1
+    one_error_line(err, "empty prompt")
+
+
+def test_unsupported_architecture(capsys, tiny, tmp_path):
+    folder = tmp_path / "gemma"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps(json.loads((tiny / "config.json").read_text()) | {"model_type": "gemma3"})
+    )
+    for command in (["generate", folder, "-p", "hi"], ["info", folder], ["chat", folder, "--plain"]):
+        rc, _, err = cli(capsys, *command)
+        assert rc == 1
+        one_error_line(err, "architecture 'gemma3'")
+
+
+def test_unknown_policy_is_refused_by_the_parser(capsys, tiny):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", str(tiny), "-p", "hi", "--policy", "entropie"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "invalid choice: 'entropie'" in err
+
+
+@pytest.mark.parametrize("args", [["--debug", "generate", "zzzqqq"], ["generate", "zzzqqq", "--debug"]])
+def test_debug_shows_the_traceback(capsys, args):
+    rc = main([*args, "-p", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" in err and err.strip().endswith("or mlx-community/DeepSeek-R1-Distill")
+
+
+# ---- info ---------------------------------------------------------------------------------------------
+def test_info_plan(capsys, tiny):
+    rc, out, _ = cli(capsys, "info", tiny, "--json")
+    plan = json.loads(out)
+    config = json.loads((tiny / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    expected = config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2 * 4  # float32 weights
+    assert rc == 0 and plan["kv_bytes_per_token"] == expected == 512
+    assert plan["full_kv_nbytes"] == {"8192": expected * 8192, "32768": expected * 32768, "131072": expected * 131072}
+    assert plan["weights_nbytes"] == (tiny / "model.safetensors").stat().st_size
+    assert plan["auto_budget"] == plan["budget"] == 2048  # capped at the context limit
+    assert plan["saved_nbytes"] == 0  # a budget as large as the context saves nothing
+    rc, out, _ = cli(capsys, "info", tiny)
+    assert rc == 0 and "KV per token  512 bytes = 2 layers x 2 kv-heads x 16 head-dim x 2 x 4 bytes" in out
+    assert "8k: 4.0 MiB" in out and "32k: 16.0 MiB (beyond the context limit)" in out
+
+
+def test_info_with_a_budget(capsys, tiny):
+    rc, out, _ = cli(capsys, "info", tiny, "--json", "--budget", "256")
+    plan = json.loads(out)
+    assert plan["budget"] == 256 and plan["budget_kv_nbytes"] == 256 * 512
+    assert plan["saved_nbytes"] == (2048 - 256) * 512 and plan["saved_fraction"] == pytest.approx(1 - 256 / 2048)
+    rc, _, err = cli(capsys, "info", tiny, "--budget", "lots")
+    assert rc == 1
+    one_error_line(err, "bad --budget 'lots'")
+
+
+def test_info_family_name_offline(capsys, tiny, tmp_path):
+    write_hub_repo(tmp_path / "hf" / "hub", QWEN_1_5B, tiny)
+    rc, out, err = cli(capsys, "info", "mlx-community/DeepSeek-R1-Distill", "--json")
+    plan = json.loads(out)
+    assert rc == 0 and plan["model"] == QWEN_1_5B and plan["source"] == "family"
+    assert plan["reason"].startswith(f"chose {QWEN_1_5B}")
+
+
+# ---- chat --plain ------------------------------------------------------------------------------------
+def test_plain_chat(capsys, tiny):
+    lines = [
+        "Hello there",
+        "/stats",
+        "/policy window",
+        "/budget 128",
+        "and again",
+        "/policy bogus",
+        "/nope",
+        "/reset",
+        "third",
+        "/quit",
+        "never",
+    ]
+    rc, out, err = cli(
+        capsys, "chat", tiny, "--plain", "--budget", "64", "--max-tokens", "12", stdin="\n".join(lines) + "\n"
+    )
+    assert rc == 0
+    assert err.startswith("chatting with tiny (policy default, budget 64)")
+    assert "policy window from the next turn" in err and "budget 128 tokens from the next turn" in err
+    assert "mlxevict: error: unknown policy 'bogus'" in err and "mlxevict: error: unknown command '/nope'" in err
+    assert "conversation cleared, cache freed" in err and "CacheStats(policy='default'" in err
+    stats = [STATS.match(line) for line in err.splitlines() if line.startswith("[")]
+    assert len(stats) == 3 and all(stats)
+    assert stats[1].group(4) == "128"  # the new budget is the new capacity
+    assert len(out.strip().splitlines()) == 3
+
+
+def test_chat_without_a_terminal_is_plain(capsys, tiny):
+    rc, out, err = cli(capsys, "chat", tiny, "--max-tokens", "4", stdin="hi\n")
+    assert rc == 0 and err.startswith("chatting with tiny") and stats_of(err).group(1) == "4"
+
+
+# ---- the real process: Ctrl-C, OpenBLAS --------------------------------------------------------------------
+def process_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", REEXEC_GUARD)}
+    return env | {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def test_ctrl_c_keeps_the_text_and_exits_130(tmp_path):
+    model = build_tiny_model(tmp_path / "long", max_position_embeddings=1_000_000)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlxevict.cli",
+            "generate",
+            str(model),
+            "-p",
+            "go",
+            "--max-tokens",
+            "1000000",
+            "--budget",
+            "64",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=process_env(),
+    )
+    first = proc.stdout.read(40)  # text is streaming
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and len(first) == 40
+    assert "Traceback" not in err.decode()
+    last = err.decode().strip().splitlines()[-1]
+    assert last == "interrupted" or last.endswith("| interrupted]")
+
+
+def test_preload_env():
+    assert preload_env({"LD_PRELOAD": "/x.so"}) is None
+    assert preload_env({REEXEC_GUARD: "1"}) is None
+    assert preload_env({"MLXEVICT_NO_OPENBLAS": "1"}) is None
+    assert preload_env({}, platform="darwin") is None
+    env = preload_env({"A": "b"}, platform="linux")
+    if openblas_library() is None:
+        assert env is None
+    else:
+        assert env == {"A": "b", "LD_PRELOAD": str(openblas_library()), REEXEC_GUARD: "1"}
+
+
+@pytest.mark.skipif(openblas_library() is None, reason="no OpenBLAS on this machine")
+def test_command_reexecs_with_openblas(tiny):
+    done = subprocess.run(
+        [sys.executable, "-m", "mlxevict.cli", "info", str(tiny), "--json"],
+        capture_output=True,
+        env=process_env(),
+        timeout=120,
+    )
+    assert done.returncode == 0 and json.loads(done.stdout)["openblas"] is True
+
+
+# ---- acceptance with the real model ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_acceptance_generate_with_eviction(capsys, smollm_path):
+    args = ["generate", smollm_path, "-p", "Write a story about a robot who learns to paint.", "--policy", "entropy"]
+    rc, out, err = cli(capsys, *args, "--budget", "64", "--max-tokens", "300", "--seed", "0")
+    tokens, prompt, kept, capacity, evicted, reason = stats_of(err).groups()
+    assert rc == 0 and len(out.split()) > 20
+    assert int(kept) <= int(capacity) == 64 and int(evicted) > 0 and int(tokens) <= 300
+    rc, out, _ = cli(capsys, *args, "--budget", "64", "--max-tokens", "40", "--json")
+    result = json.loads(out)
+    assert rc == 0 and result["cache"]["kept"] <= result["cache"]["capacity"] and result["cache"]["evicted"] > 0
+
+
+@pytest.mark.slow
+def test_acceptance_no_model_is_the_offline_demo(capsys, smollm_path):
+    rc, out, err = cli(capsys, "generate", "-p", "What is the capital of France?", "--max-tokens", "30", "--temp", "0")
+    assert rc == 0 and "Paris" in out and stats_of(err)
+
+
+@pytest.mark.slow
+def test_acceptance_info_bytes_per_token(capsys, smollm_path):
+    rc, out, _ = cli(capsys, "info", smollm_path, "--json")
+    plan = json.loads(out)
+    assert rc == 0 and plan["kv_bytes_per_token"] == 30 * 3 * 64 * 2 * 4 == kv_bytes_per_token(smollm_path)
+    assert (plan["layers"], plan["kv_heads"], plan["head_dim"], plan["dtype_size"]) == (30, 3, 64, 4)
