@@ -29,6 +29,7 @@ DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 32  # at most; never more than budget // 8 unless asked
 DEFAULT_SLACK = 16  # at most; never more than budget // 16 unless asked
 GROW_STEP = 256
+PENDING_LIMIT = 64  # queued query tokens before statistics are folded in anyway
 PROMPT_MODES = ("evict", "compress")
 
 
@@ -104,6 +105,9 @@ class EvictingKVCache(_BaseCache):
         self.prompt_mode = prompt_mode
         self.keys = self.values = self.positions = self.stats = None
         self.recent_queries = self.recent_query_pos = None
+        self._pending_queries: list[mx.array] = []
+        self._pending_pos: list[mx.array] = []
+        self._pending_entropy: list[mx.array] = []
         self.scale = 1.0
         self.offset = 0  # absolute position: tokens seen so far
         self._size = 0  # entries stored
@@ -153,6 +157,8 @@ class EvictingKVCache(_BaseCache):
                 "model: build a new one with mlxevict.make_cache(model)"
             )
         n_keep = self._plan(S)
+        if n_keep is None and sum(q.shape[2] for q in self._pending_queries) >= PENDING_LIMIT:
+            self._flush()
         if n_keep is not None:
             self._evict(n_keep)
         if self._size + S > self.capacity:
@@ -189,10 +195,30 @@ class EvictingKVCache(_BaseCache):
 
     # ---- attention statistics (called by the patched attention) ----------
     def observe(self, queries: mx.array, scale: float) -> None:
-        """Feed the step's ``(B, H*G, S, D)`` post-RoPE queries to the policy."""
+        """Queue the step's ``(B, H*G, S, D)`` post-RoPE queries for the policy.
+
+        Queries are batched until the next eviction (or ``PENDING_LIMIT`` tokens):
+        between evictions the kept keys only grow, so a causal mask by position
+        gives each queued query exactly the attention row it had at its own step,
+        and one batched kernel call replaces one call per token.
+        """
         self.scale = scale
         S = queries.shape[2]
-        query_pos = mx.arange(self.offset - S, self.offset, dtype=mx.int32)
+        self._pending_queries.append(queries)
+        self._pending_pos.append(mx.arange(self.offset - S, self.offset, dtype=mx.int32))
+
+    def feed_prediction_entropy(self, entropy: mx.array) -> None:
+        """Queue ``H(p_t)`` (``(B, S)`` nats) of the step's positions for the policy."""
+        self._pending_entropy.append(entropy)
+
+    def _flush(self) -> None:
+        """Hand the queued queries (and prediction entropies) to the policy, in order."""
+        if not self._pending_queries:
+            return
+        queries = mx.concatenate(self._pending_queries, axis=2)  # B, H*G, P, D
+        query_pos = mx.concatenate(self._pending_pos)  # P
+        entropy = mx.concatenate(self._pending_entropy, axis=1) if self._pending_entropy else None
+        self._pending_queries, self._pending_pos, self._pending_entropy = [], [], []
         window = self.policy.query_window
         if window:
             if self.recent_queries is None:
@@ -201,12 +227,10 @@ class EvictingKVCache(_BaseCache):
                 self.recent_query_pos = mx.full((window,), -1, mx.int32)
             self.recent_queries = mx.concatenate([self.recent_queries, queries], axis=2)[:, :, -window:]
             self.recent_query_pos = mx.concatenate([self.recent_query_pos, query_pos])[-window:]
-        if self.policy.observes or self.policy.uses_prediction_entropy:
+        if self.policy.observes:
             self.policy.observe(self, queries, query_pos)
-
-    def feed_prediction_entropy(self, entropy: mx.array) -> None:
-        """Feed ``H(p_t)`` (``(B, S)`` nats) of the step's positions to the policy."""
-        self.policy.feed_prediction_entropy(self, entropy)
+        if self.policy.uses_prediction_entropy and entropy is not None:
+            self.policy.feed_prediction_entropy(self, queries, query_pos, entropy)
 
     # ---- eviction ---------------------------------------------------------
     def _plan(self, S: int) -> int | None:
@@ -222,6 +246,7 @@ class EvictingKVCache(_BaseCache):
                 f"window={self.window}, slack={self.slack}; feed at most {self.max_chunk} tokens per "
                 "call (mlxevict.patch splits longer prompts for you)"
             )
+        self._flush()  # the policy's statistics (and effective budget) must be current
         self._last_budget = min(self.budget, self.policy.effective_budget(self.budget))
         floor = self.sinks + self.window + self.pinned_tokens
         return min(self._size, max(floor, self._last_budget - S - self.slack))
@@ -305,6 +330,7 @@ class EvictingKVCache(_BaseCache):
     @property
     def state(self):
         # mlx-lm's save_prompt_cache stores only ``state``, so the metadata rides along.
+        self._flush()
         arrays = (self.keys, self.values, self.positions, self.stats)
         queries = (self.recent_queries, self.recent_query_pos)
         return (*arrays, *queries, self.meta_state)

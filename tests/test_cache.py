@@ -145,15 +145,16 @@ def test_pinned_span_is_kept():
 
 def test_uncertainty_budget_follows_prediction_entropy():
     model = tiny_model("llama")
+    mlxevict.patch(model)
+    forward = type(model)._mlxevict_base.__call__  # the model's own forward: feeds no H(p_t)
     sure = make_cache(model, "uncertainty", budget=40, window=4, slack=0, min_fraction=0.5)
     unsure = make_cache(model, "uncertainty", budget=40, window=4, slack=0, min_fraction=0.5)
     tokens = random_tokens(60)
-    for caches, entropy in ((sure, 0.0), (unsure, 8.0)):
-        model(tokens[None, :8], cache=caches)
-        for t in range(8, 60):
-            model(tokens[None, t : t + 1], cache=caches)
-            for c in caches:  # overrides what the patched model fed: a controlled H(p_t)
-                c.policy._entropy_ema = mx.array(entropy)
+    for caches, entropy in ((sure, 0.0), (unsure, 30.0)):
+        for t in range(60):
+            forward(model, tokens[None, t : t + 1], cache=caches)
+            for c in caches:  # a controlled H(p_t) instead of the model's own
+                c.feed_prediction_entropy(mx.full((1, 1), entropy))
     assert mlxevict.cache_stats(sure).effective_budget == 20
     assert mlxevict.cache_stats(unsure).effective_budget == 40
     assert sure[0].size() < unsure[0].size()

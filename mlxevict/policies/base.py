@@ -22,7 +22,7 @@ class Policy:
         name: the registry name (``--policy NAME``).
         source: the paper or document the policy comes from.
         evicts: ``False`` only for ``full``: the cache grows instead.
-        observes: call :meth:`observe` with each step's queries (after attention).
+        observes: call :meth:`observe` with the queries seen since the last eviction.
         query_window: how many recent queries the cache keeps for :meth:`score`.
         uses_prediction_entropy: the generation side feeds ``H(p_t)`` each step.
     """
@@ -39,10 +39,16 @@ class Policy:
         raise NotImplementedError
 
     def observe(self, cache: "EvictingKVCache", queries: mx.array, query_pos: mx.array) -> None:
-        """Collect statistics from the ``(B, H*G, S, D)`` queries of the current step."""
+        """Collect statistics from ``(B, H*G, S, D)`` queries at positions ``query_pos``.
 
-    def feed_prediction_entropy(self, cache: "EvictingKVCache", entropy: mx.array) -> None:
-        """Receive ``H(p_t)`` for the step's ``(B, S)`` positions."""
+        Called in batches (before each eviction): keys added after a query are
+        hidden from it by position, so the rows are those of each query's own step.
+        """
+
+    def feed_prediction_entropy(
+        self, cache: "EvictingKVCache", queries: mx.array, query_pos: mx.array, entropy: mx.array
+    ) -> None:
+        """Receive ``H(p_t)`` ``(B, S)`` with the queries of those positions, in order."""
 
     def effective_budget(self, budget: int) -> int:
         """How many entries to hold now; the cache's budget unless the policy adapts it."""

@@ -6,7 +6,7 @@ with low affinity go first. The number of entries held, the effective budget,
 moves between ``min_budget`` (model sure) and the cache budget (model unsure):
 ``budget_t = min + (max − min)·(1 − exp(−H̄_t/τ))`` with ``H̄`` an EMA of ``H(p_t)``.
 Close relatives: CONF-KV, InfoKV (next-token confidence as an eviction signal).
-For a multi-token chunk (prompt prefill) each position's ``H`` is applied in order.
+Positions are applied in order, one Ω step per token, prompt tokens included.
 """
 
 import math
@@ -23,10 +23,10 @@ DEFAULT_EMA = 0.9
 
 
 @mx.compile
-def _affinity_step(omega: mx.array, logits: mx.array, entropy: mx.array, beta: float, valid: mx.array):
-    """One Ω update: omega/valid ``(B, H, C)``, logits ``(B, H, C)``, entropy ``(B,)``."""
+def _affinity_step(omega: mx.array, logits: mx.array, entropy: mx.array, beta: float, visible: mx.array):
+    """One Ω update: omega/logits/visible ``(B, H, C)``, entropy ``(B,)``."""
     updated = mx.sigmoid(omega + logits * beta * entropy[:, None, None])
-    return mx.where(valid, updated, omega)
+    return mx.where(visible, updated, omega)
 
 
 class UncertaintyPolicy(Policy):
@@ -44,28 +44,19 @@ class UncertaintyPolicy(Policy):
         if not 0 < min_fraction <= 1:
             raise ValueError(f"min_fraction={min_fraction} must be in (0, 1]")
         self.beta, self.min_fraction, self.tau, self.ema = beta, min_fraction, tau, ema
-        self._pending: mx.array | None = None  # B, H, S, C logits awaiting H(p_t)
         self._entropy_ema: mx.array | None = None
 
-    def observe(self, cache, queries, query_pos) -> None:
-        self._pending = attention_logits_compiled(
-            queries, cache.keys, cache.positions, query_pos, cache.scale
-        )
-
-    def feed_prediction_entropy(self, cache, entropy: mx.array) -> None:
-        if self._pending is None:
-            return
-        valid = cache.positions >= 0
-        omega = cache.stats
-        S = self._pending.shape[2]
-        for s in range(S):
-            omega = _affinity_step(omega, self._pending[:, :, s], entropy[:, s], self.beta, valid)
+    def feed_prediction_entropy(self, cache, queries, query_pos, entropy) -> None:
+        logits = attention_logits_compiled(queries, cache.keys, cache.positions, query_pos, cache.scale)
+        omega = cache.stats  # B, H, C
+        for s in range(queries.shape[2]):
+            visible = (cache.positions >= 0) & (cache.positions <= query_pos[s])
+            omega = _affinity_step(omega, logits[:, :, s], entropy[:, s], self.beta, visible)
+            step = entropy[:, s].mean()
+            self._entropy_ema = (
+                step if self._entropy_ema is None else self.ema * self._entropy_ema + (1 - self.ema) * step
+            )
         cache.stats = omega
-        self._pending = None
-        last = entropy[:, -1].mean()
-        self._entropy_ema = (
-            last if self._entropy_ema is None else self.ema * self._entropy_ema + (1 - self.ema) * last
-        )
 
     def effective_budget(self, budget: int) -> int:
         if self._entropy_ema is None:
