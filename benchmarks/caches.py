@@ -1,0 +1,132 @@
+"""The caches under test, by name: every mlxevict policy and mlx-lm's own caches.
+
+mlx-lm's baselines go by these names:
+
+- ``kvcache``: ``KVCache``, the full cache and the reference for quality and speed;
+- ``rotating``: ``RotatingKVCache(max_size=budget, keep=sinks)``, mlx-lm's ``--max-kv-size``;
+- ``quantized8`` / ``quantized4``: ``QuantizedKVCache(group_size=64, bits=8|4)``, mlx-lm's
+  ``--kv-bits``; they keep every token, so they take no budget.
+
+Everything else is an mlxevict policy name (``mlxevict.policy_names()``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+import mlxevict
+from mlxevict.cache import DEFAULT_BUDGET, DEFAULT_SINKS, default_slack, default_window
+
+REFERENCE = "kvcache"
+MLX_LM_CACHES = ("kvcache", "rotating", "quantized8", "quantized4")
+UNBUDGETED = ("kvcache", "quantized8", "quantized4", "full")
+QUANT_GROUP = 64
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """Settings shared by every cache of a run (mlxevict's ``make_cache`` arguments).
+
+    ``window`` and ``slack`` of ``None`` take mlxevict's budget-scaled defaults.
+    """
+
+    sinks: int = DEFAULT_SINKS
+    window: int | None = None
+    slack: int | None = None
+
+    def protected(self, budget: int) -> int:
+        """Entries a budget must exceed: sinks + window + slack at this budget."""
+        window = default_window(budget) if self.window is None else self.window
+        slack = default_slack(budget) if self.slack is None else self.slack
+        return self.sinks + window + slack
+
+
+def cache_names() -> list[str]:
+    """Every name :func:`make_caches` accepts: mlx-lm's caches, then mlxevict's policies."""
+    return [*MLX_LM_CACHES, *mlxevict.policy_names()]
+
+
+def default_names() -> list[str]:
+    """What a run compares unless told otherwise: all, except ``default`` (an alias)."""
+    return [n for n in cache_names() if n != "default"]
+
+
+def parse_names(text: str | None) -> list[str]:
+    """``"rkv,window"`` → names, checked; ``None`` or ``"all"`` → :func:`default_names`.
+
+    The reference ``kvcache`` is always included (every ratio needs it).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    if not text or text == "all":
+        return default_names()
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in cache_names()]
+    if unknown:
+        raise ValueError(f"unknown cache or policy {', '.join(unknown)}; choose from: {', '.join(cache_names())}")
+    return [REFERENCE, *[n for n in dict.fromkeys(names) if n != REFERENCE]]
+
+
+def takes_budget(name: str) -> bool:
+    return name not in UNBUDGETED
+
+
+def check_budget(name: str, budget: int, settings: CacheSettings) -> str | None:
+    """Why ``budget`` cannot run for ``name`` (one line), or ``None`` when it can."""
+    if not takes_budget(name):
+        return None
+    floor = settings.sinks + 1 if name == "rotating" else settings.protected(budget) + 1
+    if budget < floor:
+        return (
+            f"{name}: budget {budget} is below {floor} (sinks + window + slack + 1); "
+            "raise --context or the budget fraction, or lower --window/--slack"
+        )
+    return None
+
+
+def make_caches(model: nn.Module, name: str, budget: int | None, settings: CacheSettings) -> list[Any]:
+    """One cache per layer of ``model`` for the cache or policy ``name``.
+
+    Args:
+        model: an mlx-lm model (patched by ``mlxevict.make_cache`` when ``name`` is a policy).
+        name: a name from :func:`cache_names`.
+        budget: entries per layer for budgeted caches; ignored by the others.
+        settings: sinks, window and slack.
+    """
+    layers = len(model.layers)
+    if name == "kvcache":
+        return [KVCache() for _ in range(layers)]
+    if name == "rotating":
+        return [RotatingKVCache(max_size=budget, keep=settings.sinks) for _ in range(layers)]
+    if name in ("quantized8", "quantized4"):
+        bits = int(name[-1])
+        head_dim = getattr(model.args, "head_dim", None) or model.args.hidden_size // model.args.num_attention_heads
+        if head_dim % QUANT_GROUP:
+            raise ValueError(
+                f"{name}: head_dim {head_dim} is not a multiple of mlx-lm's group size {QUANT_GROUP}; "
+                "leave the quantized caches out of --policies for this model"
+            )
+        return [QuantizedKVCache(group_size=QUANT_GROUP, bits=bits) for _ in range(layers)]
+    # "full" never evicts: its budget is never reached, any valid number will do.
+    size = budget if takes_budget(name) else DEFAULT_BUDGET
+    return mlxevict.make_cache(
+        model, name, size, sinks=settings.sinks, window=settings.window, slack=settings.slack
+    )
+
+
+def kv_bytes(caches: Sequence[Any]) -> int:
+    """Bytes the caches hold now (keys, values and, for quantized caches, scales)."""
+    return sum(c.nbytes for c in caches if not c.empty())
+
+
+def layer_kv_bytes_per_token(model: nn.Module, dtype_size: int) -> int:
+    """Bytes one token costs a full cache, all layers (keys + values of every kv-head)."""
+    args = model.args
+    heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    return len(model.layers) * 2 * heads * head_dim * dtype_size

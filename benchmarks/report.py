@@ -1,0 +1,218 @@
+"""Results for people and machines: JSON, Markdown tables and PNG plots (matplotlib Agg)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+KIB, MIB = 1024, 1024**2
+
+
+def write_json(results: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, allow_nan=True) + "\n")
+    return path
+
+
+def _num(value: Any, fmt: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return format(value, fmt)
+
+
+def _bytes(value: Any) -> str:
+    if value is None:
+        return "–"
+    return f"{value / MIB:.1f} MiB" if value >= MIB else f"{value / KIB:.0f} KiB"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub-flavoured Markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _label(row: dict[str, Any], default_policy: str) -> str:
+    name = row["cache"]
+    return f"{name} (= default)" if name == default_policy else name
+
+
+def eval_markdown(results: dict[str, Any]) -> str:
+    """The eval table: one line per cache and budget, the full cache first."""
+    cfg = results["config"]
+    rows = sorted(
+        results["rows"],
+        key=lambda r: (r["budget_fraction"] is not None, -(r["budget_fraction"] or 0), r["kind"] != "mlx-lm"),
+    )
+    body = [
+        [
+            _label(r, results["default_policy"]),
+            "all" if r["budget_fraction"] is None else f"{r['budget_fraction']:g} ({r['budget']})",
+            _num(r["retrieval_accuracy"], ".2f"),
+            _num(r["fidelity_top1"]),
+            _num(r["fidelity_kl"]),
+            _num(r["generation_agreement"], ".1f"),
+            _num(r["trace_length"], ".1f"),
+            _num(r["decode_ratio"], ".2f"),
+            _bytes(r["peak_memory"]),
+            _bytes(r["kv_bytes"]),
+        ]
+        for r in rows
+    ]
+    head = [
+        "cache", "budget", "retrieval acc.", "fidelity top-1", "KL (nats)",
+        "gen. agreement (tokens)", "trace length", "decode × full", "peak memory", "KV bytes / seq.",
+    ]  # fmt: skip
+    notes = [
+        f"Context {cfg['context']} tokens (generation: {cfg['prompt_tokens']} prompt + {cfg['new_tokens']} "
+        f"generated); budget = fraction of the context, entries per layer. Retrieval accuracy over the "
+        f"{cfg['retrieval_answers_solved_by_full_cache']} of {cfg['retrieval_answers_total']} answers the full "
+        "cache gets right. Fidelity over the second half of "
+        f"{cfg['fidelity_texts']} natural texts; generation agreement: greedy tokens equal to the full cache's "
+        f"before the first difference (of {cfg['new_tokens']}), mean over {cfg['generation_prompts']} prompts.",
+    ]
+    skipped = "".join(f"\n- skipped {s['cache']} @ {s['budget_fraction']:g}: {s['reason']}" for s in results["skipped"])
+    return table(head, body) + "\n\n" + " ".join(notes) + skipped + "\n"
+
+
+def bench_markdown(results: dict[str, Any]) -> str:
+    """The bench tables: decode at one budget, then the context sweep."""
+    cfg = results["config"]
+    out = []
+    if results["decode"]:
+        body = [
+            [
+                _label(r, results["default_policy"]),
+                str(r["budget"] or "all"),
+                _num(r["decode_tok_s"], ".1f"),
+                _num(r["ratio_to_rotating"], ".2f"),
+                _num(r["ratio_to_kvcache"], ".2f"),
+                _bytes(r["peak_memory"]),
+                _bytes(r["kv_bytes"]),
+            ]
+            for r in results["decode"]
+        ]
+        out.append(
+            f"Decode, {cfg['new_tokens']} generated tokens after a {cfg['prompt_tokens']}-token prompt, "
+            f"budget {cfg['budget']}; ratios are medians over rounds of {cfg['segment']} tokens taken in turn.\n\n"
+            + table(
+                ["cache", "budget", "decode tok/s", "× rotating", "× kvcache", "peak memory", "KV bytes"], body
+            )
+        )
+    if results["context"]:
+        body = [
+            [
+                _label(r, results["default_policy"]),
+                str(r["context"]),
+                _num(r["prefill_tok_s"], ".1f"),
+                _num(r["prefill_ratio"], ".2f"),
+                _num(r["decode_tok_s"], ".1f"),
+                _num(r["decode_ratio"], ".2f"),
+                _bytes(r["peak_memory"]),
+                _bytes(r["kv_bytes"]),
+            ]
+            for r in sorted(results["context"], key=lambda r: (r["context"], r["kind"] != "mlx-lm"))
+        ]
+        out.append(
+            f"Context sweep: prefill of a random prompt, then {cfg['probe_tokens']} decode steps, one cache "
+            f"at a time; budget {cfg['budget']}; ratios to kvcache at the same length, median of "
+            f"{cfg['repeats']} repeat(s).\n\n"
+            + table(
+                ["cache", "context", "prefill tok/s", "× kvcache", "decode tok/s", "× kvcache", "peak memory", "KV bytes"],
+                body,
+            )
+        )
+    skipped = "".join(f"\n- skipped {s['cache']}: {s['reason']}" for s in results["skipped"])
+    return "\n\n".join(out) + "\n" + skipped
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_eval(results: dict[str, Any], path: Path) -> Path:
+    """Retrieval accuracy, fidelity top-1 and KL vs kept fraction, one line per cache."""
+    plt = _pyplot()
+    metrics = [("retrieval_accuracy", "retrieval accuracy"), ("fidelity_top1", "fidelity top-1"), ("fidelity_kl", "KL (nats)")]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(15, 4.5))
+    by_cache: dict[str, list[dict[str, Any]]] = {}
+    for r in results["rows"]:
+        by_cache.setdefault(r["cache"], []).append(r)
+    for ax, (key, title) in zip(axes, metrics):
+        for name, rows in by_cache.items():
+            pts = [(_kept(r), r[key]) for r in rows if r[key] is not None and not _isnan(r[key])]
+            if not pts:
+                continue
+            pts.sort()
+            style = "o--" if name in ("rotating", "quantized8", "quantized4", "kvcache") else "o-"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, markersize=4)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("kept fraction (budget / context; bytes for quantized)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    max(axes, key=lambda ax: len(ax.get_lines())).legend(fontsize=7, ncol=2)
+    fig.suptitle(f"mlxevict eval: quality vs memory ({results.get('model', '')})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _kept(row: dict[str, Any]) -> float:
+    if row["budget_fraction"] is not None:
+        return row["budget_fraction"]
+    return row.get("kv_fraction") or 1.0
+
+
+def _isnan(x: Any) -> bool:
+    return isinstance(x, float) and math.isnan(x)
+
+
+def plot_memory(results: dict[str, Any], path: Path) -> Path:
+    """Peak memory and KV bytes vs context length, one line per cache."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    by_cache: dict[str, list[dict[str, Any]]] = {}
+    for r in results["context"]:
+        by_cache.setdefault(r["cache"], []).append(r)
+    for ax, key, title in zip(axes, ("peak_memory", "kv_bytes"), ("peak memory (MiB)", "KV cache (MiB)")):
+        for name, rows in by_cache.items():
+            rows = sorted(rows, key=lambda r: r["context"])
+            ax.plot([r["context"] for r in rows], [r[key] / MIB for r in rows], "o-", label=name, markersize=4)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"mlxevict bench: memory vs context, budget {results['config']['budget']} ({results.get('model', '')})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_eval(results: dict[str, Any], out: Path) -> list[Path]:
+    """``eval.json``, ``eval.md`` and ``eval.png`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / "eval.md"
+    md.write_text(eval_markdown(results))
+    return [write_json(results, out / "eval.json"), md, plot_eval(results, out / "eval.png")]
+
+
+def write_bench(results: dict[str, Any], out: Path) -> list[Path]:
+    """``bench.json``, ``bench.md`` and (with a context sweep) ``memory.png`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / "bench.md"
+    md.write_text(bench_markdown(results))
+    paths = [write_json(results, out / "bench.json"), md]
+    if results["context"]:
+        paths.append(plot_memory(results, out / "memory.png"))
+    return paths

@@ -1,0 +1,217 @@
+"""The evaluation and benchmark harness: task generators, metrics, and both runs end to end.
+
+The fast tests drive the harness on a random-weight llama with a byte tokenizer;
+the slow one runs ``--quick`` through the command line on the real SmolLM2 model.
+They check the structure of the results, never the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from tests.tiny_models import tiny_model
+
+if importlib.util.find_spec("mlxevict.benchmarks") is None:
+    # An editable install made before pyproject mapped benchmarks/ to mlxevict.benchmarks;
+    # `pip install -e .` makes this unnecessary.
+    _root = Path(__file__).resolve().parents[1] / "benchmarks"
+    _spec = importlib.util.spec_from_file_location(
+        "mlxevict.benchmarks", _root / "__init__.py", submodule_search_locations=[str(_root)]
+    )
+    sys.modules["mlxevict.benchmarks"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["mlxevict.benchmarks"])
+
+from mlxevict.benchmarks import caches as bcaches
+from mlxevict.benchmarks import cli as bcli
+from mlxevict.benchmarks import quality, report, speed, tasks
+
+TOK = tasks.ByteTokenizer()
+EVAL_KEYS = (
+    "retrieval_accuracy", "fidelity_top1", "fidelity_kl", "generation_agreement", "trace_length",
+    "decode_tok_s", "decode_ratio", "peak_memory", "kv_bytes",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(vocab_size=TOK.vocab_size, head_dim=64)  # quantized caches group by 64
+
+
+# ---- task generators ----------------------------------------------------------------
+def test_retrieval_tasks_are_deterministic_and_exact_length():
+    a = tasks.make_retrieval_tasks(TOK, 4, 400, seed=3)
+    b = tasks.make_retrieval_tasks(TOK, 4, 400, seed=3)
+    c = tasks.make_retrieval_tasks(TOK, 4, 400, seed=4)
+    assert a == b
+    assert [t.tokens for t in a] != [t.tokens for t in c]
+    assert all(len(t.tokens) == 400 for t in a)
+    assert {t.kind for t in a} == {"passkey", "keyvalue"}
+
+
+def test_retrieval_answer_is_stated_in_the_prompt_and_scored_at_the_end():
+    for task in tasks.make_retrieval_tasks(TOK, 4, 400, seed=1):
+        prompt = TOK.decode(task.prompt)
+        for span in task.answer_positions():
+            answer = TOK.decode([task.tokens[p] for p in span]).strip()
+            assert answer in task.facts.values()
+            assert answer in prompt
+            assert min(span) >= len(task.prompt) + len(task.reasoning)
+        assert not any(v in TOK.decode(task.reasoning) for v in task.facts.values())
+
+
+def test_too_short_a_context_is_a_clear_error():
+    with pytest.raises(ValueError, match="raise --context"):
+        tasks.make_retrieval_tasks(TOK, 1, 50)
+
+
+def test_fidelity_and_generation_inputs_are_deterministic():
+    assert tasks.make_fidelity_texts(TOK, 2, 300) == tasks.make_fidelity_texts(TOK, 2, 300)
+    texts = tasks.make_fidelity_texts(TOK, 2, 300)
+    assert texts[0] != texts[1] and all(len(t) == 300 for t in texts)
+    gen = tasks.make_generation_tasks(TOK, 3, 260)
+    assert gen == tasks.make_generation_tasks(TOK, 3, 260)
+    assert all(len(g.prompt) == 260 and g.question in TOK.decode(g.prompt) for g in gen)
+
+
+# ---- metrics -------------------------------------------------------------------------
+def test_kl_of_identical_distributions_is_zero_and_positive_otherwise():
+    logits = mx.random.normal((3, 5, 11), key=mx.random.key(0))
+    lp = quality.log_softmax(logits)
+    assert mx.allclose(quality.kl_divergence(lp, lp), mx.zeros((3, 5)), atol=1e-6)
+    other = quality.log_softmax(logits + mx.random.normal(logits.shape, key=mx.random.key(1)))
+    assert (quality.kl_divergence(lp, other) > 0).all()
+
+
+def test_kl_matches_a_hand_computed_value():
+    p, q = mx.array([0.5, 0.5]), mx.array([0.9, 0.1])
+    expected = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    assert quality.kl_divergence(mx.log(p), mx.log(q)).item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_divergence_and_trace_length():
+    assert quality.divergence([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert quality.divergence([1, 2, 3], [1, 2, 3]) == 3
+    assert quality.divergence([5], [6]) == 0
+    assert quality.trace_length([4, 4, 7, 4], {7}) == 3
+    assert quality.trace_length([4, 4], {7}) == 2
+
+
+def test_answer_correct_checks_the_prediction_before_each_answer_token():
+    task = tasks.make_retrieval_tasks(TOK, 2, 400)[1]  # key-value: two answers
+    perfect = task.tokens[1:] + [0]  # predicting every next token
+    assert quality.answer_correct(task, perfect) == [True, True]
+    broken = list(perfect)
+    first = task.answer_positions()[0]
+    broken[first[-1] - 1] = (broken[first[-1] - 1] + 1) % 256
+    assert quality.answer_correct(task, broken) == [False, True]
+
+
+def test_chunk_bounds_prefill_then_decode_sized_steps():
+    assert quality.chunk_bounds(50, 20, 16) == [(0, 20), (20, 36), (36, 50)]
+    assert quality.chunk_bounds(10, 20, 16) == [(0, 10)]
+
+
+def test_parse_names_keeps_the_reference_and_rejects_unknown_names():
+    assert bcaches.parse_names("rkv,window")[0] == "kvcache"
+    assert "default" not in bcaches.parse_names("all")
+    with pytest.raises(ValueError, match="unknown cache or policy nope"):
+        bcaches.parse_names("rkv,nope")
+
+
+def test_budget_check_names_the_fix():
+    why = bcaches.check_budget("rkv", 4, bcaches.CacheSettings())
+    assert why and "raise --context" in why
+    assert bcaches.check_budget("kvcache", 4, bcaches.CacheSettings()) is None
+
+
+# ---- end to end on a random-weight model ------------------------------------------------
+def test_eval_end_to_end_structure(model, tmp_path):
+    config = quality.EvalConfig(
+        names=tuple(bcaches.default_names()),
+        context=400,
+        fractions=(0.5, 0.25),
+        retrieval=2,
+        fidelity=1,
+        generation=2,
+        prompt_tokens=240,
+        new_tokens=12,
+    )
+    labels = []
+    results = quality.run_eval(model, TOK, config, labels.append)
+    rows = {(r["cache"], r["budget_fraction"]) for r in results["rows"]}
+    for name in bcaches.default_names():
+        fractions = (0.5, 0.25) if bcaches.takes_budget(name) else (None,)
+        for f in fractions:
+            assert (name, f) in rows, (name, f)
+    for row in results["rows"]:
+        for key in EVAL_KEYS:
+            assert key in row, key
+        assert row["peak_memory"] > 0 and row["kv_bytes"] > 0
+    ref = results["rows"][0]
+    assert ref["cache"] == "kvcache" and ref["fidelity_kl"] == 0.0 and ref["fidelity_top1"] == 1.0
+    assert len(labels) == len(results["rows"])
+    paths = report.write_eval(results, tmp_path)
+    assert json.loads((tmp_path / "eval.json").read_text())["rows"]
+    assert "| cache |" in (tmp_path / "eval.md").read_text()
+    assert all(p.exists() and p.stat().st_size > 0 for p in paths)
+
+
+def test_bench_end_to_end_structure(model, tmp_path):
+    names = tuple(bcaches.default_names())
+    config = speed.BenchConfig(
+        names=names, context_names=names, budget=48, new_tokens=12, segment=5, contexts=(64, 96), probe_tokens=2
+    )
+    results = speed.run_bench(model, config)
+    assert {r["cache"] for r in results["decode"]} == set(names)
+    for row in results["decode"]:
+        assert row["tokens"] == 12
+        for key in ("decode_tok_s", "ratio_to_rotating", "ratio_to_kvcache", "peak_memory", "kv_bytes"):
+            assert row[key] is not None, (row["cache"], key)
+    assert {(r["cache"], r["context"]) for r in results["context"]} == {(n, L) for n in names for L in (64, 96)}
+    for row in results["context"]:
+        for key in ("prefill_tok_s", "prefill_ratio", "decode_tok_s", "decode_ratio", "peak_memory", "kv_bytes"):
+            assert row[key] is not None
+    paths = report.write_bench(results, tmp_path)
+    assert {p.name for p in paths} == {"bench.json", "bench.md", "memory.png"}
+
+
+def test_cli_parsers_and_bad_budgets():
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    bcli.add_eval_parser(sub)
+    bcli.add_bench_parser(sub)
+    args = parser.parse_args(["eval", "demo", "--quick", "--budgets", "0.5,0.25", "--policies", "rkv"])
+    assert args.budgets == (0.5, 0.25) and args.quick and args.func is bcli._run_eval
+    args = parser.parse_args(["bench", "demo", "--contexts", "128,256"])
+    assert args.contexts == (128, 256) and args.func is bcli._run_bench
+    with pytest.raises(SystemExit):
+        parser.parse_args(["eval", "demo", "--budgets", "1.5"])
+
+
+# ---- the real model ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_quick_eval_and_bench_on_the_real_model(smollm_path, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    bcli.add_eval_parser(sub)
+    bcli.add_bench_parser(sub)
+    policies = "default,window,rotating,quantized4"
+    for verb in ("eval", "bench"):
+        args = parser.parse_args([verb, str(smollm_path), "--quick", "--out", str(tmp_path), "--policies", policies])
+        assert args.func(args) == 0
+    results = json.loads((tmp_path / "eval.json").read_text())
+    assert results["config"]["retrieval_answers_solved_by_full_cache"] >= 0
+    for row in results["rows"]:
+        for key in EVAL_KEYS:
+            assert key in row
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    assert {r["cache"] for r in bench["decode"]} == {"kvcache", "default", "window", "rotating", "quantized4"}
+    assert (tmp_path / "eval.png").stat().st_size > 0 and (tmp_path / "memory.png").stat().st_size > 0
