@@ -15,18 +15,21 @@ from .cache import DEFAULT_BUDGET, EvictingKVCache
 from .make import make_cache, pin
 from .patch import SUPPORTED_ARCHITECTURES, patch, patched, unpatch
 from .policies import DEFAULT_POLICY, Policy, policy_names
+from .quantized import QuantizedEvictingKVCache
 from .stats import CacheStats, cache_stats
 
 __version__ = "0.1.0"
 
 # mlx-lm's load_prompt_cache rebuilds caches by class name from its own module.
 _mlx_lm_cache.EvictingKVCache = EvictingKVCache
+_mlx_lm_cache.QuantizedEvictingKVCache = QuantizedEvictingKVCache
 
 __all__ = [
     "make_cache",
     "cache_stats",
     "CacheStats",
     "EvictingKVCache",
+    "QuantizedEvictingKVCache",
     "Policy",
     "policy_names",
     "pin",

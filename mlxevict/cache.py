@@ -61,8 +61,19 @@ def validate_budget(budget: int, sinks: int, window: int, slack: int, pinned_tok
         )
 
 
+def fit_slots(x: mx.array, capacity: int, fill) -> mx.array:
+    """``x`` ``(B, H, C, ...)`` cut or padded with ``fill`` to ``capacity`` slots."""
+    if x.shape[2] >= capacity:
+        return x[:, :, :capacity]
+    pad = mx.full((*x.shape[:2], capacity - x.shape[2], *x.shape[3:]), fill, x.dtype)
+    return mx.concatenate([x, pad], axis=2)
+
+
 class EvictingKVCache(_BaseCache):
     """A KV cache that holds at most ``budget`` entries, evicting by a policy.
+
+    Entries are stored in the model's dtype; ``make_cache(..., kv_bits=8)`` builds
+    :class:`mlxevict.quantized.QuantizedEvictingKVCache`, which stores them in 8 or 4 bits.
 
     Args:
         policy: a registry name (``"entropy"``, ``"uncertainty"``, ``"window"``,
@@ -79,6 +90,8 @@ class EvictingKVCache(_BaseCache):
         pinned: absolute ``(start, end)`` spans always kept, e.g. the user prompt.
         policy_kwargs: arguments for the policy class.
     """
+
+    kv_bits: int | None = None  # storage bits; None: the model's dtype
 
     def __init__(
         self,
@@ -117,7 +130,12 @@ class EvictingKVCache(_BaseCache):
     # ---- mlx-lm protocol -------------------------------------------------
     @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return 0 if self.positions is None else self.positions.shape[2]
+
+    @property
+    def protected_window(self) -> int:
+        """The newest positions an eviction never drops."""
+        return self.window
 
     @property
     def pinned_tokens(self) -> int:
@@ -128,7 +146,7 @@ class EvictingKVCache(_BaseCache):
         """The longest chunk one call may append while the budget holds."""
         if not self.policy.evicts or self.prompt_mode == "compress":
             return GROW_STEP
-        return self.budget - self.sinks - self.window - self.pinned_tokens - self.slack
+        return self.budget - self.sinks - self.protected_window - self.pinned_tokens - self.slack
 
     def size(self) -> int:
         return self._size
@@ -150,11 +168,11 @@ class EvictingKVCache(_BaseCache):
         B, H, S, D = keys.shape
         if self.keys is None:
             self._allocate(B, H, D, values.shape[-1], keys.dtype)
-        elif self.keys.shape[:2] != (B, H) or self.keys.shape[3] != D:
+        elif self._key_shape() != (B, H, D):
+            b, h, d = self._key_shape()
             raise ValueError(
-                f"this cache holds keys shaped (B={self.keys.shape[0]}, H={self.keys.shape[1]}, "
-                f"D={self.keys.shape[3]}) but got (B={B}, H={H}, D={D}); it was made for another "
-                "model: build a new one with mlxevict.make_cache(model)"
+                f"this cache holds keys shaped (B={b}, H={h}, D={d}) but got (B={B}, H={H}, D={D}); "
+                "it was made for another model: build a new one with mlxevict.make_cache(model)"
             )
         n_keep = self._plan(S)
         if n_keep is None and sum(q.shape[2] for q in self._pending_queries) >= PENDING_LIMIT:
@@ -164,15 +182,14 @@ class EvictingKVCache(_BaseCache):
         if self._size + S > self.capacity:
             self._grow(self._size + S)
         start, end = self._size, self._size + S
-        self.keys[..., start:end, :] = keys
-        self.values[..., start:end, :] = values
+        self._write(keys, values, start)
         self.positions[..., start:end] = mx.arange(self.offset, self.offset + S, dtype=mx.int32)
         self.stats[..., start:end] = 0.0
         self._size = end
         self.offset += S
         if self.prompt_mode == "compress" and S == 1 and self.policy.evicts and self.capacity > self.budget:
             self._shrink()
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        return self._fetch()
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """The causal mask for a chunk of ``N`` queries over the entries kept after this step."""
@@ -248,7 +265,7 @@ class EvictingKVCache(_BaseCache):
             )
         self._flush()  # the policy's statistics (and effective budget) must be current
         self._last_budget = min(self.budget, self.policy.effective_budget(self.budget))
-        floor = self.sinks + self.window + self.pinned_tokens
+        floor = self.sinks + self.protected_window + self.pinned_tokens
         return min(self._size, max(floor, self._last_budget - S - self.slack))
 
     def _evict(self, n_keep: int) -> None:
@@ -256,13 +273,38 @@ class EvictingKVCache(_BaseCache):
             return
         pinned = mx.array(self.pinned or [(0, 0)], dtype=mx.int32)
         rank_key = priority_compiled(
-            self.policy.score(self), self.positions, mx.array(self.offset), self.sinks, self.window, pinned
+            self.policy.score(self), self.positions, mx.array(self.offset), self.sinks, self.protected_window, pinned
         )
-        self.positions, self.keys, self.values, self.stats = compact_compiled(
-            rank_key, mx.array(n_keep), [self.positions, self.keys, self.values, self.stats]
-        )
+        self._set_slots(compact_compiled(rank_key, mx.array(n_keep), self._slots()))
         self.evictions += 1
         self._size = n_keep
+
+    # ---- storage (QuantizedEvictingKVCache overrides these) ----------------
+    @property
+    def dense_keys(self) -> mx.array:
+        """``(B, H, C, D)`` keys in the model's dtype, slot by slot: what policies score."""
+        return self.keys
+
+    def _key_shape(self) -> tuple[int, int, int]:
+        B, H, _, D = self.keys.shape
+        return B, H, D
+
+    def _write(self, keys: mx.array, values: mx.array, start: int) -> None:
+        """Store ``(B, H, S, D)`` keys/values in slots ``[start, start + S)``."""
+        S = keys.shape[2]
+        self.keys[..., start : start + S, :] = keys
+        self.values[..., start : start + S, :] = values
+
+    def _fetch(self):
+        """What attention reads: the kept keys and values, ``(B, H, size, D)`` each."""
+        return self.keys[..., : self._size, :], self.values[..., : self._size, :]
+
+    def _slots(self) -> list[mx.array]:
+        """Every per-slot array, ``positions`` first: what compaction gathers."""
+        return [self.positions, self.keys, self.values, self.stats]
+
+    def _set_slots(self, arrays: list[mx.array]) -> None:
+        self.positions, self.keys, self.values, self.stats = arrays
 
     def _allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype) -> None:
         capacity = self.budget if self.policy.evicts else GROW_STEP
@@ -272,14 +314,8 @@ class EvictingKVCache(_BaseCache):
         self.stats = mx.zeros((B, H, capacity), mx.float32)
 
     def _resize(self, capacity: int) -> None:
-        def fit(x: mx.array, fill) -> mx.array:
-            if x.shape[2] >= capacity:
-                return x[:, :, :capacity]
-            pad = mx.full((*x.shape[:2], capacity - x.shape[2], *x.shape[3:]), fill, x.dtype)
-            return mx.concatenate([x, pad], axis=2)
-
-        self.keys, self.values = fit(self.keys, 0), fit(self.values, 0)
-        self.positions, self.stats = fit(self.positions, -1), fit(self.stats, 0)
+        self.keys, self.values = fit_slots(self.keys, capacity, 0), fit_slots(self.values, capacity, 0)
+        self.positions, self.stats = fit_slots(self.positions, capacity, -1), fit_slots(self.stats, capacity, 0)
 
     def _grow(self, needed: int) -> None:
         """Only ``full`` and a prompt being held for compression ever grow."""
@@ -292,27 +328,32 @@ class EvictingKVCache(_BaseCache):
     # ---- save / load ------------------------------------------------------
     @property
     def meta_state(self) -> str:
-        return json.dumps(
-            {
-                "policy": self.policy_name,
-                "policy_config": self.policy.config(),
-                "policy_state": self.policy.runtime_state(),
-                "budget": self.budget,
-                "sinks": self.sinks,
-                "window": self.window,
-                "slack": self.slack,
-                "prompt_mode": self.prompt_mode,
-                "pinned": self.pinned,
-                "offset": self.offset,
-                "size": self._size,
-                "evictions": self.evictions,
-                "scale": self.scale,
-            }
-        )
+        return json.dumps(self._meta())
 
     @meta_state.setter
     def meta_state(self, text: str) -> None:
-        meta = json.loads(text)
+        self._restore(json.loads(text))
+
+    def _meta(self) -> dict[str, Any]:
+        """Settings and host-side counters, JSON-serialisable."""
+        return {
+            "policy": self.policy_name,
+            "policy_config": self.policy.config(),
+            "policy_state": self.policy.runtime_state(),
+            "budget": self.budget,
+            "sinks": self.sinks,
+            "window": self.window,
+            "slack": self.slack,
+            "prompt_mode": self.prompt_mode,
+            "pinned": self.pinned,
+            "offset": self.offset,
+            "size": self._size,
+            "evictions": self.evictions,
+            "scale": self.scale,
+        }
+
+    def _restore(self, meta: dict[str, Any], **storage: Any) -> None:
+        """Rebuild from :meth:`_meta` (``storage``: the subclass's constructor arguments)."""
         self.__init__(
             meta["policy"],
             meta["budget"],
@@ -321,6 +362,7 @@ class EvictingKVCache(_BaseCache):
             slack=meta["slack"],
             prompt_mode=meta["prompt_mode"],
             pinned=[tuple(p) for p in meta["pinned"]],
+            **storage,
             **meta["policy_config"],
         )
         self.policy.load_runtime_state(meta["policy_state"])
@@ -343,5 +385,7 @@ class EvictingKVCache(_BaseCache):
 
     def pin(self, start: int, end: int) -> None:
         """Always keep absolute positions ``[start, end)`` from now on (e.g. the user prompt)."""
-        validate_budget(self.budget, self.sinks, self.window, self.slack, self.pinned_tokens + end - start)
+        validate_budget(
+            self.budget, self.sinks, self.protected_window, self.slack, self.pinned_tokens + end - start
+        )
         self.pinned.append((int(start), int(end)))

@@ -141,6 +141,10 @@ def compact(rank_key: mx.array, n_keep: mx.array, slots: list[mx.array]) -> list
         rank_key: ``(B, H, C)`` priority from :func:`priority`.
         n_keep: scalar int, how many slots each head keeps.
         slots: per-slot arrays shaped ``(B, H, C, ...)``; the first is ``positions``.
+            An array with fewer slots (``C' < C``) holds only the oldest ``C'``;
+            the newest slots live elsewhere and must be kept (quantized storage
+            leaves them to a full-precision buffer), so its kept slots all come
+            first in the new order and its tail is left unspecified.
 
     Returns:
         Each array of ``slots`` gathered into the new order; positions of the
@@ -154,7 +158,10 @@ def compact(rank_key: mx.array, n_keep: mx.array, slots: list[mx.array]) -> list
     new_order = mx.argsort(mx.where(keep, slot, slot + C), axis=-1)  # kept first, in time order
     gathered = []
     for x in slots:
-        idx = new_order.reshape(new_order.shape + (1,) * (x.ndim - 3))
+        idx = new_order
+        if x.shape[2] < C:
+            idx = mx.minimum(new_order[..., : x.shape[2]], x.shape[2] - 1)
+        idx = idx.reshape(idx.shape + (1,) * (x.ndim - 3))
         gathered.append(mx.take_along_axis(x, idx, axis=2))
     gathered[0] = mx.where(slot < n_keep, gathered[0], -1)
     return gathered

@@ -8,6 +8,7 @@ import mlx.nn as nn
 
 from .cache import DEFAULT_BUDGET, DEFAULT_SINKS, EvictingKVCache
 from .patch import patch
+from .quantized import DEFAULT_GROUP_SIZE, QuantizedEvictingKVCache, check_storage, model_head_dim
 
 
 def make_cache(
@@ -20,6 +21,9 @@ def make_cache(
     slack: int | None = None,
     prompt_mode: str = "evict",
     pinned: Sequence[tuple[int, int]] = (),
+    kv_bits: int | None = None,
+    kv_group_size: int = DEFAULT_GROUP_SIZE,
+    full_precision_window: int | None = None,
     **policy_kwargs: Any,
 ) -> list[EvictingKVCache]:
     """Patch ``model`` and build one :class:`EvictingKVCache` per layer.
@@ -34,26 +38,26 @@ def make_cache(
         policy: registry name; see ``mlxevict.policy_names()``. Default ``"default"``.
         budget: most KV entries per layer. Default 2048.
         sinks, window, slack, prompt_mode, pinned, policy_kwargs: see :class:`EvictingKVCache`.
+        kv_bits: ``None`` (default) stores KV in the model's dtype; 8 or 4 store
+            it quantized (:class:`~mlxevict.quantized.QuantizedEvictingKVCache`).
+        kv_group_size: values per quantization scale: 32, 64 (default) or 128.
+        full_precision_window: with ``kv_bits``, the newest tokens kept in the
+            model's dtype. Default: ``window``.
 
     Returns:
         A list with one cache per layer.
 
     Raises:
-        ValueError: unsupported architecture, unknown policy or a budget that cannot work.
+        ValueError: unsupported architecture, unknown policy, a budget that cannot
+            work, or a ``kv_bits``/``kv_group_size`` the model cannot use.
     """
-    caches = [
-        EvictingKVCache(
-            policy,
-            budget,
-            sinks=sinks,
-            window=window,
-            slack=slack,
-            prompt_mode=prompt_mode,
-            pinned=pinned,
-            **policy_kwargs,
-        )
-        for _ in model.layers
-    ]
+    options: dict[str, Any] = dict(sinks=sinks, window=window, slack=slack, prompt_mode=prompt_mode, pinned=pinned)
+    cls = EvictingKVCache
+    if kv_bits is not None:
+        check_storage(kv_bits, kv_group_size, (model_head_dim(model),))
+        cls = QuantizedEvictingKVCache
+        options.update(kv_bits=kv_bits, kv_group_size=kv_group_size, full_precision_window=full_precision_window)
+    caches = [cls(policy, budget, **options, **policy_kwargs) for _ in model.layers]
     patch(model)
     return caches
 

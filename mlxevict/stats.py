@@ -22,6 +22,7 @@ class CacheStats:
         tokens_seen: the absolute position, ``offset``.
         nbytes: KV bytes allocated now, all layers.
         full_nbytes: KV bytes a full ``KVCache`` would hold for ``tokens_seen``.
+        kv_bits: storage bits (``None``: the model's dtype).
     """
 
     policy: str
@@ -33,6 +34,7 @@ class CacheStats:
     tokens_seen: int
     nbytes: int
     full_nbytes: int
+    kv_bits: int | None = None
 
     @property
     def saved_nbytes(self) -> int:
@@ -40,12 +42,12 @@ class CacheStats:
 
 
 def bytes_per_token(cache: EvictingKVCache) -> int:
-    """KV bytes one token costs in one layer (keys + values, all kv-heads)."""
+    """KV bytes one token costs a full cache in one layer (keys + values, all kv-heads, model dtype)."""
     if cache.keys is None:
         return 0
-    B, H, _, D = cache.keys.shape
-    Dv = cache.values.shape[3]
-    return B * H * (D + Dv) * cache.keys.dtype.size
+    keys, values = (cache.fp_keys, cache.fp_values) if cache.kv_bits else (cache.keys, cache.values)
+    B, H, _, D = keys.shape
+    return B * H * (D + values.shape[3]) * keys.dtype.size
 
 
 def cache_stats(caches: Sequence[EvictingKVCache]) -> CacheStats:
@@ -65,4 +67,5 @@ def cache_stats(caches: Sequence[EvictingKVCache]) -> CacheStats:
         tokens_seen=first.offset,
         nbytes=sum(c.nbytes for c in evicting),
         full_nbytes=sum(c.offset * bytes_per_token(c) for c in evicting),
+        kv_bits=first.kv_bits,
     )

@@ -88,6 +88,18 @@ def test_priority_and_compact(inputs):
     assert sorted(scored) == sorted(candidates[:4])
 
 
+def test_compact_of_an_array_without_the_newest_slots(inputs):
+    """Quantized storage leaves its newest (always kept) slots to a full-precision buffer."""
+    _, k, pos, _, scores = inputs
+    ref = kernels.priority(scores, pos, mx.array(40), 2, 4, mx.array([[0, 0]], dtype=mx.int32))
+    short = k[:, :, :18]  # slots 18, 19 (positions 36, 38) live elsewhere; 20+ are empty
+    out_ref = kernels.compact(ref, mx.array(9), [pos, k, short])
+    out = kernels.compact_compiled(ref, mx.array(9), [pos, k, short])
+    assert all(mx.array_equal(a, b).item() for a, b in zip(out, out_ref))
+    assert out_ref[2].shape == short.shape
+    assert mx.array_equal(out_ref[2][:, :, :7], out_ref[1][:, :, :7]).item()  # the 9 kept minus the 2 newest
+
+
 def test_pool_keys_preserves_mass():
     x = mx.random.uniform(shape=(1, 2, 30), key=mx.random.key(7))
     pooled = kernels.pool_keys(x, 5)

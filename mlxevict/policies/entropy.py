@@ -21,7 +21,7 @@ class EntropyPolicy(Policy):
 
     def observe(self, cache, queries, query_pos) -> None:
         S = queries.shape[2]
-        probs = attention_probs_compiled(queries, cache.keys, cache.positions, query_pos, cache.scale)
+        probs = attention_probs_compiled(queries, cache.dense_keys, cache.positions, query_pos, cache.scale)
         entropy = row_entropy_compiled(probs)  # B, H, S
         # New tokens sit in the last S filled slots; low entropy scores high.
         end = cache.size()

@@ -16,7 +16,7 @@ class H2OPolicy(Policy):
     observes = True
 
     def observe(self, cache, queries, query_pos) -> None:
-        probs = attention_probs_compiled(queries, cache.keys, cache.positions, query_pos, cache.scale)
+        probs = attention_probs_compiled(queries, cache.dense_keys, cache.positions, query_pos, cache.scale)
         cache.stats = cache.stats + gqa_mean(probs)  # B, H, C: accumulated attention
 
     def score(self, cache) -> mx.array:

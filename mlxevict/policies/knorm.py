@@ -14,4 +14,4 @@ class KnormPolicy(Policy):
     source = "https://arxiv.org/abs/2406.11430"
 
     def score(self, cache) -> mx.array:
-        return -mx.linalg.norm(cache.keys.astype(mx.float32), axis=-1)  # B, H, C
+        return -mx.linalg.norm(cache.dense_keys.astype(mx.float32), axis=-1)  # B, H, C

@@ -31,12 +31,13 @@ class RKVPolicy(Policy):
         self.mix = mix
 
     def score(self, cache) -> mx.array:
+        keys = cache.dense_keys  # B, H, C, D
         probs = attention_probs_compiled(
-            cache.recent_queries, cache.keys, cache.positions, cache.recent_query_pos, cache.scale
+            cache.recent_queries, keys, cache.positions, cache.recent_query_pos, cache.scale
         )
         importance = pool_keys(gqa_mean(probs), self.kernel)  # B, H, C
         importance = importance / mx.maximum(importance.sum(axis=-1, keepdims=True), 1e-9)
-        redundancy = key_redundancy_compiled(cache.keys, cache.positions)  # B, H, C
+        redundancy = key_redundancy_compiled(keys, cache.positions)  # B, H, C
         return self.mix * importance - (1 - self.mix) * redundancy
 
     def config(self) -> dict:

@@ -25,7 +25,7 @@ class SnapKVPolicy(Policy):
 
     def score(self, cache) -> mx.array:
         probs = attention_probs_compiled(
-            cache.recent_queries, cache.keys, cache.positions, cache.recent_query_pos, cache.scale
+            cache.recent_queries, cache.dense_keys, cache.positions, cache.recent_query_pos, cache.scale
         )
         return pool_keys(gqa_mean(probs), self.kernel)  # B, H, C
 

@@ -17,6 +17,6 @@ class TOVAPolicy(Policy):
 
     def score(self, cache) -> mx.array:
         probs = attention_probs_compiled(
-            cache.recent_queries, cache.keys, cache.positions, cache.recent_query_pos, cache.scale
+            cache.recent_queries, cache.dense_keys, cache.positions, cache.recent_query_pos, cache.scale
         )
         return gqa_mean(probs)  # B, H, C

@@ -47,7 +47,7 @@ class UncertaintyPolicy(Policy):
         self._entropy_ema: mx.array | None = None
 
     def feed_prediction_entropy(self, cache, queries, query_pos, entropy) -> None:
-        logits = attention_logits_compiled(queries, cache.keys, cache.positions, query_pos, cache.scale)
+        logits = attention_logits_compiled(queries, cache.dense_keys, cache.positions, query_pos, cache.scale)
         omega = cache.stats  # B, H, C
         for s in range(queries.shape[2]):
             visible = (cache.positions >= 0) & (cache.positions <= query_pos[s])

@@ -1,0 +1,225 @@
+"""Quantized storage (``kv_bits``) for the evicting cache, on random-weight mlx-lm models (fast)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
+from tiny_models import random_tokens, tiny_model
+
+import mlxevict
+from mlxevict import QuantizedEvictingKVCache, make_cache, policy_names
+from mlxevict.quantized import quantized_attention
+
+EVICTING = [p for p in policy_names() if p != "full"]
+GROUP = 32  # tiny models have head_dim 32 here: mx.quantize's smallest group
+
+
+def small_model(arch: str = "llama", **overrides):
+    return tiny_model(arch, head_dim=GROUP, **overrides)
+
+
+def run_chunks(model, cache, tokens: mx.array, chunks: list[int]) -> mx.array:
+    out, start = [], 0
+    for size in chunks:
+        out.append(model(tokens[None, start : start + size], cache=cache))
+        start += size
+    return mx.concatenate(out, axis=1)
+
+
+def dequantized(packed: tuple[mx.array, ...], n: int, bits: int) -> mx.array:
+    return mx.dequantize(*(x[..., :n, :] for x in packed), group_size=GROUP, bits=bits)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_equal_to_mlx_lm_quantized_cache_when_nothing_is_evicted(arch, bits):
+    model = small_model(arch)
+    tokens = random_tokens(48)
+    chunks = [20, 7, 1, 1, 1, 1, 17]
+    theirs = run_chunks(model, [QuantizedKVCache(GROUP, bits) for _ in model.layers], tokens, chunks)
+    caches = make_cache(model, "default", budget=64, window=8, kv_bits=bits, kv_group_size=GROUP, full_precision_window=0)
+    ours = run_chunks(model, caches, tokens, chunks)
+    assert mx.array_equal(ours, theirs).item()
+    exact = run_chunks(model, [KVCache() for _ in model.layers], tokens, chunks)
+    assert not mx.allclose(ours, exact, atol=1e-5).item()  # the storage really is quantized
+
+
+def test_full_precision_window_holding_every_token_equals_kvcache():
+    model = small_model()
+    tokens = random_tokens(40)
+    chunks = [20, 7, 1, 1, 11]
+    full = run_chunks(model, [KVCache() for _ in model.layers], tokens, chunks)
+    caches = make_cache(model, "rkv", budget=64, kv_bits=4, kv_group_size=GROUP, full_precision_window=40)
+    assert mx.allclose(run_chunks(model, caches, tokens, chunks), full, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "array"])
+def test_quantized_attention_equals_attention_over_dequantized_entries(mask):
+    B, H, G, L, Q, F, D, bits = 1, 2, 3, 4, 20, 6, 64, 4
+    k = mx.random.split(mx.random.key(0), 5)
+    queries = mx.random.normal((B, H * G, L, D), key=k[0])
+    q_keys = mx.quantize(mx.random.normal((B, H, Q, D), key=k[1]), group_size=GROUP, bits=bits)
+    q_values = mx.quantize(mx.random.normal((B, H, Q, D), key=k[2]), group_size=GROUP, bits=bits)
+    f_keys, f_values = mx.random.normal((B, H, F, D), key=k[3]), mx.random.normal((B, H, F, D), key=k[4])
+    if mask == "array":
+        mask = mx.random.uniform(shape=(L, Q + F), key=k[0]) > 0.3
+        mask[:, 0] = True
+    got = quantized_attention(queries, (q_keys, f_keys), (q_values, f_values), 0.125, mask, GROUP, bits)
+    keys = mx.concatenate([mx.dequantize(*q_keys, group_size=GROUP, bits=bits), f_keys], axis=2)
+    values = mx.concatenate([mx.dequantize(*q_values, group_size=GROUP, bits=bits), f_values], axis=2)
+    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=mask)
+    assert mx.allclose(got, expected, atol=1e-4).item()
+
+
+def check_invariants(caches: list[QuantizedEvictingKVCache], seen: int, sinks: int) -> None:
+    for cache in caches:
+        assert cache.size() <= cache.capacity == cache.budget
+        assert cache.offset == seen
+        assert cache.n_full == min(cache.full_precision_window, seen)
+        for head in cache.positions[0].tolist():
+            kept = head[: cache.size()]
+            assert all(p == -1 for p in head[cache.size() :])
+            assert kept == sorted(kept) and len(set(kept)) == len(kept)
+            assert kept[: min(sinks, seen)] == list(range(min(sinks, seen)))
+            # the full-precision entries are the newest tokens, in every head
+            assert kept[len(kept) - cache.n_full :] == list(range(seen - cache.n_full, seen))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("policy", EVICTING)
+def test_budget_and_invariants_hold_for_every_policy(policy, bits):
+    model = small_model("qwen3", layers=1)
+    caches = make_cache(model, policy, budget=24, sinks=4, window=4, slack=2, kv_bits=bits, kv_group_size=GROUP)
+    nbytes = None
+    tokens = random_tokens(60)
+    model(tokens[None, :10], cache=caches)
+    for t in range(10, 60):
+        model(tokens[None, t : t + 1], cache=caches)
+        check_invariants(caches, t + 1, sinks=4)
+        nbytes = nbytes or caches[0].nbytes
+        assert caches[0].nbytes == nbytes  # fixed storage: nothing grows
+    stats = mlxevict.cache_stats(caches)
+    assert stats.evicted == 60 - stats.kept > 0 and stats.kv_bits == bits
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from(EVICTING),
+    bits=st.sampled_from([8, 4]),
+    budget=st.integers(min_value=24, max_value=64),
+    full=st.integers(min_value=0, max_value=12),
+    chunks=st.lists(st.integers(min_value=1, max_value=30), min_size=2, max_size=6),
+)
+def test_budget_holds_after_every_chunk(policy, bits, budget, full, chunks):
+    model = small_model(layers=1)
+    caches = make_cache(
+        model, policy, budget=budget, sinks=3, window=4, slack=2, kv_bits=bits, kv_group_size=GROUP,
+        full_precision_window=full,
+    )
+    tokens = random_tokens(sum(chunks))
+    seen = 0
+    for size in chunks:
+        model(tokens[None, seen : seen + size], cache=caches)
+        seen += size
+        check_invariants(caches, seen, sinks=3)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_compaction_moves_every_quantized_component(bits):
+    """Layer 0's keys do not depend on the cache: the kept ones must be exactly the plain cache's, quantized."""
+    model = small_model()
+    kwargs = dict(budget=32, sinks=4, window=4, slack=3, seed=7)
+    plain = make_cache(model, "random", **kwargs)
+    quant = make_cache(model, "random", **kwargs, kv_bits=bits, kv_group_size=GROUP, full_precision_window=4)
+    tokens = random_tokens(90)
+    for caches in (plain, quant):
+        run_chunks(model, caches, tokens, [20] + [1] * 70)
+    p, q = plain[0], quant[0]
+    assert mx.array_equal(p.positions, q.positions).item() and q.evictions > 5
+    n_quant = q.size() - q.n_full
+    for stored, full, dense in ((q.keys, q.fp_keys, p.keys), (q.values, q.fp_values, p.values)):
+        expected = mx.quantize(dense[..., :n_quant, :], group_size=GROUP, bits=bits)
+        assert all(mx.array_equal(x[..., :n_quant, :], e).item() for x, e in zip(stored, expected))
+        assert mx.array_equal(full[..., : q.n_full, :], dense[..., n_quant : q.size(), :]).item()
+    assert mx.array_equal(q.dense_keys[..., :n_quant, :], dequantized(q.keys, n_quant, bits)).item()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("policy", ["default", "uncertainty", "knorm"])
+def test_save_and_load_continue_identically(policy, bits, tmp_path):
+    model = small_model()
+    caches = make_cache(model, policy, budget=24, window=4, slack=2, kv_bits=bits, kv_group_size=GROUP)
+    tokens = random_tokens(60)
+    run_chunks(model, caches, tokens, [12] + [1] * 30)
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path)
+    assert all(type(c) is QuantizedEvictingKVCache and c.kv_bits == bits for c in loaded)
+    rest = [1] * 18
+    expected = run_chunks(model, caches, tokens[42:], rest)
+    got = run_chunks(model, loaded, tokens[42:], rest)
+    assert mx.array_equal(got, expected).item()
+
+
+def test_save_and_load_without_full_precision_window(tmp_path):
+    model = small_model()
+    caches = make_cache(model, "window", budget=24, kv_bits=8, kv_group_size=GROUP, full_precision_window=0)
+    tokens = random_tokens(40)
+    run_chunks(model, caches, tokens, [30, 1])
+    save_prompt_cache(str(tmp_path / "c.safetensors"), caches)
+    loaded = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    assert mx.array_equal(run_chunks(model, loaded, tokens[31:], [1] * 9), run_chunks(model, caches, tokens[31:], [1] * 9)).item()
+
+
+def test_full_and_compress_modes_resize_quantized_storage():
+    model = small_model(layers=1)
+    full = make_cache(model, "full", budget=32, kv_bits=8, kv_group_size=GROUP)
+    run_chunks(model, full, random_tokens(300), [300])
+    assert full[0].size() == 300 and full[0].capacity == 512
+    compress = make_cache(model, "snapkv", budget=24, window=4, slack=0, prompt_mode="compress", kv_bits=4, kv_group_size=GROUP)
+    run_chunks(model, compress, random_tokens(70), [64, 1])
+    check_invariants(compress, 65, sinks=4)
+    assert compress[0].size() == 24
+
+
+@pytest.mark.parametrize("bits, low, high", [(8, 0.5, 0.56), (4, 0.25, 0.3)])
+def test_nbytes_is_about_half_or_quarter_of_float16(bits, low, high):
+    model = tiny_model("llama", head_dim=64, hidden_size=128)
+    model.set_dtype(mx.float16)
+    tokens = random_tokens(40)
+    plain = make_cache(model, "window", budget=64)
+    quant = make_cache(model, "window", budget=64, kv_bits=bits, full_precision_window=0)
+    with_window = make_cache(model, "window", budget=64, kv_bits=bits, full_precision_window=8)
+    for caches in (plain, quant, with_window):
+        model(tokens[None], cache=caches)
+    ratio = mlxevict.cache_stats(quant).nbytes / mlxevict.cache_stats(plain).nbytes
+    assert low <= ratio <= high
+    # the window costs its tokens in float16 and no quantized rows
+    per_slot = mlxevict.cache_stats(plain).nbytes / 64
+    expected = (64 - 8) * ratio * per_slot + 8 * per_slot
+    assert mlxevict.cache_stats(with_window).nbytes == pytest.approx(expected)
+    assert mlxevict.cache_stats(quant).full_nbytes == mlxevict.cache_stats(plain).full_nbytes
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kv_bits=3), r"kv_bits=3 is not supported; use 8 or 4"),
+        (dict(kv_bits=16), r"kv_bits=16 is not supported"),
+        (dict(kv_bits=8, kv_group_size=48), r"kv_group_size=48 is not supported by mx.quantize; use 32, 64 or 128"),
+        (dict(kv_bits=8, kv_group_size=64), r"kv_group_size=64 does not divide the head dim 32; use --kv-group-size 32"),
+        (dict(kv_bits=4, kv_group_size=GROUP, full_precision_window=-1), r"full_precision_window=-1 must be"),
+        (dict(kv_bits=4, kv_group_size=GROUP, budget=40, full_precision_window=36), r"full_precision_window=36 leaves no room"),
+    ],
+)
+def test_bad_storage_arguments_raise_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_cache(small_model(layers=1), **kwargs)
+
+
+def test_plain_cache_has_no_kv_bits():
+    caches = make_cache(small_model(layers=1), "window", budget=32)
+    assert type(caches[0]) is mlxevict.EvictingKVCache and caches[0].kv_bits is None

@@ -1,0 +1,37 @@
+"""Quantized storage on the real SmolLM2-135M-Instruct test model (slow)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import QuantizedKVCache
+
+import mlxevict
+from mlxevict import make_cache
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "Explain step by step how a bicycle stays upright, then list five uses of a paperclip."
+
+
+@pytest.fixture(scope="module")
+def smollm(smollm_path):
+    model, tokenizer = load(str(smollm_path))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
+    return model, mx.array(prompt)
+
+
+def greedy(model, prompt: mx.array, cache, n: int) -> list[int]:
+    return [token for (token, _), _ in zip(generate_step(prompt, model, prompt_cache=cache, max_tokens=n), range(n))]
+
+
+def test_8bit_storage_equals_mlx_lm_quantized_cache_over_300_tokens(smollm):
+    model, prompt = smollm
+    # Built directly: mlx-lm's own --kv-bits only quantizes from quantized_kv_start (5000) on.
+    theirs = greedy(model, prompt, [QuantizedKVCache(group_size=64, bits=8) for _ in model.layers], 300)
+    caches = make_cache(model, "default", budget=512, kv_bits=8, kv_group_size=64, full_precision_window=0)
+    ours = greedy(model, prompt, caches, 300)
+    assert mlxevict.cache_stats(caches).evicted == 0
+    assert ours == theirs
