@@ -21,6 +21,7 @@ import psutil
 
 from .cache import EvictingKVCache
 from .errors import MlxEvictError
+from .quantized import DEFAULT_GROUP_SIZE, storage_bytes
 from .stats import cache_stats
 
 DEFAULT_MARGIN = 1 * 1024**3  # stop generating when less than this is left to the system
@@ -120,6 +121,13 @@ class KVShape:
     def bytes_per_token(self) -> int:
         return self.layers * self.kv_heads * self.head_dim * 2 * self.dtype_size
 
+    def storage_bytes_per_token(self, kv_bits: Optional[int] = None, group_size: int = DEFAULT_GROUP_SIZE) -> int:
+        """Bytes per token with keys and values stored in ``kv_bits`` (``None``: the dtype).
+
+        A quantized cache also holds its full-precision window at :attr:`bytes_per_token`.
+        """
+        return self.layers * self.kv_heads * 2 * storage_bytes(self.head_dim, self.dtype_size, kv_bits, group_size)
+
 
 def read_config(path: str | Path) -> dict[str, Any]:
     """The ``config.json`` of a model folder, as a dict."""
@@ -204,13 +212,20 @@ def kv_shape(model_or_config: Any, dtype_size: Optional[int] = None) -> KVShape:
     return KVShape(layers, kv_heads, head_dim, dtype_size or config_dtype_size(config))
 
 
-def kv_bytes_per_token(model_or_config: Any, dtype_size: Optional[int] = None) -> int:
+def kv_bytes_per_token(
+    model_or_config: Any,
+    dtype_size: Optional[int] = None,
+    *,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = DEFAULT_GROUP_SIZE,
+) -> int:
     """KV bytes one token costs: ``layers × kv_heads × head_dim × 2 × dtype_size``.
 
     Args:
         model_or_config, dtype_size: see :func:`kv_shape`.
+        kv_bits, kv_group_size: quantized storage (see :meth:`KVShape.storage_bytes_per_token`).
     """
-    return kv_shape(model_or_config, dtype_size).bytes_per_token
+    return kv_shape(model_or_config, dtype_size).storage_bytes_per_token(kv_bits, kv_group_size)
 
 
 def parse_size(text: str) -> int:
@@ -363,6 +378,8 @@ def budget_tokens(
     *,
     available: Optional[int] = None,
     context_limit: Optional[int] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = DEFAULT_GROUP_SIZE,
 ) -> int:
     """Tokens per layer for a :class:`BudgetRequest` and a model.
 
@@ -371,10 +388,11 @@ def budget_tokens(
         model_or_config: the model (see :func:`kv_shape`), for bytes per token.
         available: free bytes for ``auto``; default what the system has available now.
         context_limit: caps ``auto`` at the model's context length.
+        kv_bits, kv_group_size: the cache's storage; memory forms buy more tokens quantized.
     """
     if request.tokens is not None:
         return request.tokens
-    per_token = kv_bytes_per_token(model_or_config)
+    per_token = kv_bytes_per_token(model_or_config, kv_bits=kv_bits, kv_group_size=kv_group_size)
     if request.nbytes is not None:
         return request.nbytes // per_token
     if available is None:

@@ -378,6 +378,64 @@ def test_acceptance_generate_with_eviction(capsys, smollm_path):
     assert rc == 0 and result["cache"]["kept"] <= result["cache"]["capacity"] and result["cache"]["evicted"] > 0
 
 
+# ---- quantized storage (--kv-bits) ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny32(tmp_path_factory) -> Path:
+    """head_dim 32: mx.quantize's smallest group size divides it."""
+    return build_tiny_model(tmp_path_factory.mktemp("cli") / "tiny32", hidden=128)
+
+
+def test_generate_with_kv_bits(capsys, tiny32):
+    args = ("generate", tiny32, "-p", PROMPT, "--budget", "64", "--max-tokens", "40", "--temp", "0")
+    rc, out, err = cli(capsys, *args, "--kv-bits", "8", "--kv-group-size", "32")
+    last = err.rstrip("\n").splitlines()[-1]
+    assert rc == 0 and out.strip() and "full (8-bit) | peak" in last
+    results = {}
+    for bits in (None, "8", "4"):
+        rc, out, _ = cli(capsys, *args, "--json", *(("--kv-bits", bits, "--kv-group-size", "32") if bits else ()))
+        results[bits] = json.loads(out)["cache"]
+        assert rc == 0 and results[bits]["kv_bits"] == (int(bits) if bits else None)
+        assert results[bits]["kept"] <= results[bits]["capacity"] == 64 and results[bits]["evicted"] > 0
+    assert results[None]["nbytes"] > results["8"]["nbytes"] > results["4"]["nbytes"]
+
+
+def test_kv_bits_memory_budget_buys_more_tokens(capsys, tiny32):
+    args = ("generate", tiny32, "-p", "hi", "--budget", "100KB", "--max-tokens", "2", "--json")
+    plain = json.loads(cli(capsys, *args)[1])["budget"]
+    quantized = json.loads(cli(capsys, *args, "--kv-bits", "4", "--kv-group-size", "32")[1])["budget"]
+    assert plain == 100_000 // 1024 and quantized == 100_000 // (2 * 2 * 2 * (16 + 2 * 4))
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (("--kv-group-size", "32"), "--kv-group-size 32 needs --kv-bits 8 or 4"),
+        (("--kv-bits", "8"), "kv_group_size=64 does not divide the head dim 16; store this model's KV unquantized"),
+    ],
+)
+def test_bad_kv_bits_options_are_one_error_line(capsys, tiny, extra, expected):
+    rc, _, err = cli(capsys, "generate", tiny, "-p", "hi", "--max-tokens", "2", *extra)
+    assert rc == 1
+    one_error_line(err, expected)
+
+
+def test_kv_bits_outside_8_and_4_is_refused_by_the_parser(capsys, tiny):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", str(tiny), "-p", "hi", "--kv-bits", "3"])
+    assert exit_.value.code == 2 and "--kv-bits: invalid choice: 3" in capsys.readouterr().err
+
+
+def test_info_shows_bytes_per_token_per_storage_mode(capsys, tiny32, tiny):
+    rc, out, _ = cli(capsys, "info", tiny32, "--json")
+    modes = {m["kv_bits"]: m for m in json.loads(out)["storage_modes"]}
+    assert rc == 0 and {b: m["bytes_per_token"] for b, m in modes.items()} == {None: 1024, 8: 320, 4: 192}
+    assert modes[4]["fits_tokens"] > modes[8]["fits_tokens"] > modes[None]["fits_tokens"] > 0
+    rc, out, _ = cli(capsys, "info", tiny32)
+    assert rc == 0 and re.search(r"--kv-bits 8 +320 B", out) and re.search(r"--kv-bits 4 +192 B", out)
+    rc, out, _ = cli(capsys, "info", tiny)
+    assert rc == 0 and "--kv-bits needs a head dim divisible by 32, 64, 128" in out
+
+
 @pytest.mark.slow
 def test_acceptance_no_model_is_the_offline_demo(capsys, smollm_path):
     rc, out, err = cli(capsys, "generate", "-p", "What is the capital of France?", "--max-tokens", "30", "--temp", "0")

@@ -21,6 +21,7 @@ from .common import (
     load,
     resolve_budget,
     stats_line,
+    storage_options,
 )
 
 HELP = """\
@@ -68,12 +69,13 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     request = budget_option(args)
     check_sampling(args)
+    storage = storage_options(args)
     resolved, model, tokenizer = load(args)
     session = ChatSession(
         model,
         tokenizer,
         policy=args.policy,
-        budget=resolve_budget(request, model),
+        budget=resolve_budget(request, model, **storage),
         system=args.system,
         max_tokens=args.max_tokens,
         temp=args.temp,
@@ -82,6 +84,7 @@ def run_chat(args: argparse.Namespace) -> int:
         guard=MemoryGuard(),
         sinks=args.sinks,
         window=args.window,
+        **storage,
     )
     if args.plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
         return repl(session, resolved.name, sys.stdin, sys.stdout, sys.stderr, show_reasoning=not args.hide_reasoning)
@@ -111,7 +114,8 @@ def command(session: ChatSession, line: str, err: TextIO) -> bool:
         session.configure(policy=value)
         print(f"policy {value} from the next turn", file=err)
     elif name == "/budget":
-        budget = resolve_budget(parse_budget(value), session.model)
+        storage = {k: v for k, v in session.cache_options.items() if k in ("kv_bits", "kv_group_size")}
+        budget = resolve_budget(parse_budget(value), session.model, **storage)
         session.configure(budget=budget)
         print(f"budget {budget} tokens from the next turn", file=err)
     else:

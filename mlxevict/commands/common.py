@@ -13,6 +13,7 @@ from ..events import Finished
 from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_TEMP, DEFAULT_TOP_P
 from ..make import make_cache
 from ..policies import policy_names
+from ..quantized import DEFAULT_GROUP_SIZE, KV_BITS
 from ..resolve import FAMILY_NAME, Resolved, load_model, resolve_model
 from ..telemetry import BudgetRequest, budget_tokens, format_bytes, kv_bytes_per_token, parse_budget
 
@@ -32,7 +33,7 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_cache_options(parser: argparse.ArgumentParser) -> None:
-    """``--policy``, ``--budget``, ``--window``, ``--sinks``."""
+    """``--policy``, ``--budget``, ``--window``, ``--sinks``, ``--kv-bits``, ``--kv-group-size``."""
     group = parser.add_argument_group("KV cache")
     group.add_argument(
         "--policy", default="default", choices=policy_names(), help="eviction policy (default: %(default)s)"
@@ -47,6 +48,20 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--sinks", type=int, default=DEFAULT_SINKS, help="first tokens always kept (default %(default)s)"
+    )
+    group.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=KV_BITS,
+        default=None,
+        help="store the kept KV entries in 8 or 4 bits (the newest --window tokens stay in full precision); "
+        "default: the model's dtype",
+    )
+    group.add_argument(
+        "--kv-group-size",
+        type=int,
+        default=None,
+        help=f"values per quantization scale and bias with --kv-bits: 32, 64 or 128 (default {DEFAULT_GROUP_SIZE})",
     )
 
 
@@ -84,13 +99,17 @@ def load(args: argparse.Namespace) -> tuple[Resolved, Any, Any]:
     return resolved, model, tokenizer
 
 
-def resolve_budget(request: BudgetRequest, model: Any) -> int:
-    """Tokens for ``--budget``: memory forms use the model's KV bytes per token; capped at its context."""
+def resolve_budget(request: BudgetRequest, model: Any, **storage: Any) -> int:
+    """Tokens for ``--budget``, capped at the model's context.
+
+    Memory forms use the KV bytes per token of the storage (``storage``: ``kv_bits``, ``kv_group_size``).
+    """
     limit = getattr(model.args, "max_position_embeddings", None)
-    tokens = budget_tokens(request, model, context_limit=limit)
+    tokens = budget_tokens(request, model, context_limit=limit, **storage)
     if request.nbytes is not None and tokens < 1:
+        per_token = kv_bytes_per_token(model, **storage)
         raise MlxEvictError(
-            f"--budget {request.text} holds no token of this model's KV ({kv_bytes_per_token(model)} bytes per "
+            f"--budget {request.text} holds no token of this model's KV ({per_token} bytes per "
             "token); give more memory or a number of tokens"
         )
     if limit and tokens > limit:
@@ -103,11 +122,21 @@ def resolve_budget(request: BudgetRequest, model: Any) -> int:
     return tokens
 
 
+def storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``kv_bits``/``kv_group_size`` for ``make_cache`` (empty without ``--kv-bits``)."""
+    if args.kv_bits is None:
+        if args.kv_group_size is not None:
+            raise MlxEvictError(f"--kv-group-size {args.kv_group_size} needs --kv-bits 8 or 4")
+        return {}
+    return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size or DEFAULT_GROUP_SIZE}
+
+
 def build_caches(model: Any, args: argparse.Namespace, request: BudgetRequest) -> list:
     """``make_cache`` from the command line's options, with CLI wording on errors."""
-    budget = resolve_budget(request, model)
+    storage = storage_options(args)
+    budget = resolve_budget(request, model, **storage)
     try:
-        return make_cache(model, args.policy, budget, sinks=args.sinks, window=args.window)
+        return make_cache(model, args.policy, budget, sinks=args.sinks, window=args.window, **storage)
     except ValueError as err:
         given = "" if request.tokens is not None else f" (--budget {request.text} = {budget} tokens)"
         raise MlxEvictError(f"{err}{given}") from None
@@ -125,6 +154,7 @@ def stats_line(finished: Finished) -> str:
     if p.cache is not None:
         c = p.cache
         held = f"{format_bytes(c.nbytes)} vs {format_bytes(c.full_nbytes)} full"
+        held += f" ({c.kv_bits}-bit)" if c.kv_bits else ""
         parts.append(f"KV kept {c.kept}/{c.capacity}, evicted {c.evicted}, {held}")
     parts.append(f"peak {format_bytes(p.memory.mlx_peak)}")
     parts.append(finished.reason)

@@ -22,6 +22,7 @@ from .common import (
     load,
     report,
     stats_line,
+    storage_options,
 )
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
@@ -37,6 +38,7 @@ examples:
   mlxevict generate -p "What is the capital of France?"            # offline demo model
   mlxevict generate mlx-community/DeepSeek-R1-Distill -p "Is 221 prime?" --budget 1024
   mlxevict generate ./smollm2 -p "Count to 50." --policy entropy --budget 64 --max-tokens 300
+  mlxevict generate ./smollm2 -p "Is 221 prime?" --budget 512 --kv-bits 8   # evict and quantize
   echo "Why is the sea salty?" | mlxevict generate model.gguf --budget 800MB --json
 """
 
@@ -98,6 +100,7 @@ def as_json(finished: Finished, model: str, budget: int) -> dict:
 def run_generate(args: argparse.Namespace) -> int:
     request = budget_option(args)
     check_sampling(args)
+    storage_options(args)  # bad storage options fail before a model loads
     prompt = read_prompt(args)
     resolved, model, tokenizer = load(args)
     caches = build_caches(model, args, request)

@@ -11,8 +11,10 @@ import psutil
 
 from ..cache import DEFAULT_BUDGET
 from ..openblas import openblas_library, openblas_loaded
+from ..quantized import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS
 from ..resolve import DEEPSEEK_R1_DISTILL, check_architecture, hub_weights_nbytes, resolve_model
 from ..telemetry import (
+    AUTO_FRACTION,
     DEFAULT_MARGIN,
     fit_budget,
     folder_dtype_size,
@@ -29,8 +31,9 @@ _EPILOG = """\
 The plan: weights size, KV bytes per token (layers x kv-heads x head-dim x 2 x
 dtype size), a full cache's KV at 8k/32k/128k tokens, the budget that fits this
 machine's free memory (auto), and what an evicting cache of --budget tokens saves
-against a full cache at 32k tokens (or the model's context, if shorter). A hub
-repo's weights are not downloaded for this (only its config).
+against a full cache at 32k tokens (or the model's context, if shorter), and per
+storage mode (--kv-bits) the bytes per token and the tokens the auto KV memory
+holds. A hub repo's weights are not downloaded for this (only its config).
 
 examples:
   mlxevict info                                        # the demo model
@@ -68,6 +71,25 @@ def _weights_size(resolved, config_weights: int) -> tuple[Optional[int], str]:
     if known:
         return known.weights_nbytes, "to download, approximate"
     return None, "unknown (not downloaded)"
+
+
+def storage_modes(shape, kv_memory: int) -> list[dict[str, Any]]:
+    """Bytes per token and the tokens ``kv_memory`` holds: the model's dtype, then 8 and 4 bits."""
+    group = next((g for g in (DEFAULT_GROUP_SIZE, *GROUP_SIZES) if shape.head_dim % g == 0), None)
+    modes = []
+    for bits in (None, *KV_BITS):
+        if bits is not None and group is None:
+            continue  # no group size divides the head dim: the render says so
+        per_token = shape.storage_bytes_per_token(bits, group or DEFAULT_GROUP_SIZE)
+        modes.append(
+            {
+                "kv_bits": bits,
+                "kv_group_size": group if bits else None,
+                "bytes_per_token": per_token,
+                "fits_tokens": kv_memory // per_token,
+            }
+        )
+    return modes
 
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -112,6 +134,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "compare_at_tokens": compare_at,
         "saved_nbytes": full - held,
         "saved_fraction": (full - held) / full if full else 0.0,
+        "auto_kv_nbytes": int(free * AUTO_FRACTION),
+        "storage_modes": storage_modes(shape, int(free * AUTO_FRACTION)),
         "openblas": openblas_loaded() if openblas_library() else None,
     }
 
@@ -143,6 +167,14 @@ def render(p: dict[str, Any]) -> str:
         f"a full cache at {_k(compare)} tokens holds {format_bytes(p['kv_bytes_per_token'] * compare)}: "
         f"saves {format_bytes(p['saved_nbytes'])} ({100 * p['saved_fraction']:.0f}%)",
     ]
+    lines.append(f"storage       bytes per token, and tokens the auto KV memory ({format_bytes(p['auto_kv_nbytes'])}) holds:")
+    for m in p["storage_modes"]:
+        name = f"--kv-bits {m['kv_bits']}" if m["kv_bits"] else f"{8 * p['dtype_size']}-bit float"
+        lines.append(f"              {name:<13} {m['bytes_per_token']:>10,} B  {m['fits_tokens']:>12,} tokens")
+    if len(p["storage_modes"]) == 1:
+        lines.append(f"              --kv-bits needs a head dim divisible by {', '.join(map(str, GROUP_SIZES))}")
+    else:
+        lines.append("              (quantized caches keep the newest --window tokens in full precision too)")
     if p["reason"]:
         lines.insert(1, f"chosen        {p['reason']}")
     if p["openblas"] is not None:
