@@ -7,7 +7,9 @@ mlx-lm's baselines go by these names:
 - ``quantized8`` / ``quantized4``: ``QuantizedKVCache(group_size=64, bits=8|4)``, mlx-lm's
   ``--kv-bits``; they keep every token, so they take no budget.
 
-Everything else is an mlxevict policy name (``mlxevict.policy_names()``).
+Everything else is an mlxevict policy name (``mlxevict.policy_names()``); a policy name
+with ``:q8`` or ``:q4`` (``default:q8``) stores what it keeps in 8 or 4 bits
+(``make_cache(..., kv_bits=8)``, group size 64, full-precision window = recent window).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 import mlxevict
@@ -66,14 +70,17 @@ def parse_names(text: str | None) -> list[str]:
     if not text or text == "all":
         return default_names()
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in cache_names()]
+    unknown = [n for n in names if not _known(n)]
     if unknown:
-        raise ValueError(f"unknown cache or policy {', '.join(unknown)}; choose from: {', '.join(cache_names())}")
+        raise ValueError(
+            f"unknown cache or policy {', '.join(unknown)}; choose from: {', '.join(cache_names())} "
+            "(a policy with :q8 or :q4 stores its KV in 8 or 4 bits)"
+        )
     return [REFERENCE, *[n for n in dict.fromkeys(names) if n != REFERENCE]]
 
 
 def takes_budget(name: str) -> bool:
-    return name not in UNBUDGETED
+    return split_storage(name)[0] not in UNBUDGETED
 
 
 def check_budget(name: str, budget: int, settings: CacheSettings) -> str | None:
@@ -114,14 +121,50 @@ def make_caches(model: nn.Module, name: str, budget: int | None, settings: Cache
         return [QuantizedKVCache(group_size=QUANT_GROUP, bits=bits) for _ in range(layers)]
     # "full" never evicts: its budget is never reached, any valid number will do.
     size = budget if takes_budget(name) else DEFAULT_BUDGET
+    policy, bits = split_storage(name)
+    storage = {"kv_bits": bits, "kv_group_size": QUANT_GROUP} if bits else {}
     return mlxevict.make_cache(
-        model, name, size, sinks=settings.sinks, window=settings.window, slack=settings.slack
+        model, policy, size, sinks=settings.sinks, window=settings.window, slack=settings.slack, **storage
     )
 
 
 def kv_bytes(caches: Sequence[Any]) -> int:
     """Bytes the caches hold now (keys, values and, for quantized caches, scales)."""
     return sum(c.nbytes for c in caches if not c.empty())
+
+
+def kv_bytes_16bit(caches: Sequence[Any]) -> int:
+    """What :func:`kv_bytes` would be for a 16-bit model: packed words as they are, floats at 2 bytes.
+
+    CPU runs use float32 models (float16 matmuls are slow there), but KV memory is
+    compared as a 16-bit model holds it; scales, biases and full-precision windows
+    are floats, so a plain ``kv_bytes / 2`` would be wrong for quantized caches.
+    """
+    total = 0
+    for c in caches:
+        if c.empty():
+            continue
+        arrays = [c.keys, c.values] + ([c.fp_keys, c.fp_values] if getattr(c, "kv_bits", None) else [])
+        for _, x in tree_flatten(arrays):
+            total += x.size * (2 if mx.issubdtype(x.dtype, mx.floating) else x.dtype.size)
+    return total
+
+
+# ---- storage modes: "<policy>:q8" / "<policy>:q4" ------------------------------------------
+STORAGE_SUFFIXES = {":q8": 8, ":q4": 4}
+
+
+def split_storage(name: str) -> tuple[str, int | None]:
+    """``"default:q8"`` → ``("default", 8)``; any other name → ``(name, None)``."""
+    for suffix, bits in STORAGE_SUFFIXES.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)], bits
+    return name, None
+
+
+def _known(name: str) -> bool:
+    base, bits = split_storage(name)
+    return base in cache_names() and not (bits and base in MLX_LM_CACHES)
 
 
 def layer_kv_bytes_per_token(model: nn.Module, dtype_size: int) -> int:

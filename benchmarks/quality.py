@@ -29,7 +29,16 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .caches import MLX_LM_CACHES, REFERENCE, CacheSettings, check_budget, kv_bytes, make_caches, takes_budget
+from .caches import (
+    MLX_LM_CACHES,
+    REFERENCE,
+    CacheSettings,
+    check_budget,
+    kv_bytes,
+    kv_bytes_16bit,
+    make_caches,
+    takes_budget,
+)
 from .tasks import RetrievalTask, make_fidelity_texts, make_generation_tasks, make_retrieval_tasks
 
 DEFAULT_FRACTIONS = (0.5, 0.25, 0.125)
@@ -227,6 +236,7 @@ def measure(
         model, caches, work, config.step, None if ref is None else ref.logprobs
     )
     per_row_kv = kv_bytes(caches) // max(work.teacher.shape[0], 1)
+    per_row_kv16 = kv_bytes_16bit(caches) // max(work.teacher.shape[0], 1)
     teacher_seconds = time.perf_counter() - started
     del caches
     _release(reset_peak=False)
@@ -259,6 +269,7 @@ def measure(
         decode_tok_s=tok_s,
         peak_memory=mx.get_peak_memory(),
         kv_bytes=per_row_kv,
+        kv_bytes_16bit=per_row_kv16,
         seconds=time.perf_counter() - started,
         teacher_seconds=teacher_seconds,
     )
@@ -312,6 +323,7 @@ def run_eval(model: nn.Module, tokenizer: Any, config: EvalConfig, progress: Pro
     for row in rows:
         row["decode_ratio"] = row["decode_tok_s"] / base["decode_tok_s"]
         row["kv_fraction"] = row["kv_bytes"] / base["kv_bytes"] if base["kv_bytes"] else None
+        row["kv_fraction_16bit"] = row["kv_bytes_16bit"] / base["kv_bytes_16bit"] if base["kv_bytes_16bit"] else None
         row["trace_length_ratio"] = row["trace_length"] / base["trace_length"] if base["trace_length"] else None
     return {
         "kind": "eval",

@@ -123,6 +123,7 @@ def bench_decode(model: nn.Module, config: BenchConfig, progress: Progress | Non
                 "tokens": s["tokens"],
                 "decode_tok_s": (s["tokens"] - 1) / s["seconds"] if s["seconds"] else None,
                 "decode_tok_s_median": statistics.median(s["rates"]) if s["rates"] else None,
+                "round_tok_s": s["rates"],  # per round, for ratios to any other cache of the run
                 "ratio_to_rotating": ratios.get(ROTATING),
                 "ratio_to_kvcache": ratios.get(REFERENCE),
                 "kv_bytes": own,
