@@ -28,6 +28,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from .cache import DEFAULT_BUDGET, GROW_STEP, EvictingKVCache, fit_slots
+from .policies import Policy
 
 KV_BITS = (8, 4)
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize supports
@@ -59,7 +60,9 @@ def model_head_dim(model: Any) -> int:
     return getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
 
 
-def storage_bytes(dim: int, dtype_size: int, kv_bits: Optional[int] = None, group_size: int = DEFAULT_GROUP_SIZE) -> int:
+def storage_bytes(
+    dim: int, dtype_size: int, kv_bits: Optional[int] = None, group_size: int = DEFAULT_GROUP_SIZE
+) -> int:
     """Bytes one stored key (or value) vector of ``dim`` elements takes.
 
     Model dtype: ``dim × dtype_size``; quantized: ``dim × bits / 8`` plus a scale
@@ -154,7 +157,7 @@ class QuantizedEvictingKVCache(EvictingKVCache):
 
     def __init__(
         self,
-        policy: Any = "default",
+        policy: str | Policy = "default",
         budget: int = DEFAULT_BUDGET,
         *,
         kv_bits: int = 8,

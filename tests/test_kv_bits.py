@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 from tiny_models import random_tokens, tiny_model
 
@@ -34,7 +33,9 @@ def test_make_caches_with_storage_suffix(model):
 
 def test_kv_bytes_16bit_counts_floats_at_two_bytes(model):
     tokens = random_tokens(40)[None]
-    made = {n: bcaches.make_caches(model, n, 32, bcaches.CacheSettings()) for n in ("kvcache", "quantized8", "default:q8")}
+    made = {
+        n: bcaches.make_caches(model, n, 32, bcaches.CacheSettings()) for n in ("kvcache", "quantized8", "default:q8")
+    }
     for caches in made.values():
         model(tokens, cache=caches)
     layers, H, D = len(model.layers), 2, 64

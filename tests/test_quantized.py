@@ -40,7 +40,9 @@ def test_equal_to_mlx_lm_quantized_cache_when_nothing_is_evicted(arch, bits):
     tokens = random_tokens(48)
     chunks = [20, 7, 1, 1, 1, 1, 17]
     theirs = run_chunks(model, [QuantizedKVCache(GROUP, bits) for _ in model.layers], tokens, chunks)
-    caches = make_cache(model, "default", budget=64, window=8, kv_bits=bits, kv_group_size=GROUP, full_precision_window=0)
+    caches = make_cache(
+        model, "default", budget=64, window=8, kv_bits=bits, kv_group_size=GROUP, full_precision_window=0
+    )
     ours = run_chunks(model, caches, tokens, chunks)
     assert mx.array_equal(ours, theirs).item()
     exact = run_chunks(model, [KVCache() for _ in model.layers], tokens, chunks)
@@ -116,7 +118,14 @@ def test_budget_and_invariants_hold_for_every_policy(policy, bits):
 def test_budget_holds_after_every_chunk(policy, bits, budget, full, chunks):
     model = small_model(layers=1)
     caches = make_cache(
-        model, policy, budget=budget, sinks=3, window=4, slack=2, kv_bits=bits, kv_group_size=GROUP,
+        model,
+        policy,
+        budget=budget,
+        sinks=3,
+        window=4,
+        slack=2,
+        kv_bits=bits,
+        kv_group_size=GROUP,
         full_precision_window=full,
     )
     tokens = random_tokens(sum(chunks))
@@ -171,7 +180,9 @@ def test_save_and_load_without_full_precision_window(tmp_path):
     run_chunks(model, caches, tokens, [30, 1])
     save_prompt_cache(str(tmp_path / "c.safetensors"), caches)
     loaded = load_prompt_cache(str(tmp_path / "c.safetensors"))
-    assert mx.array_equal(run_chunks(model, loaded, tokens[31:], [1] * 9), run_chunks(model, caches, tokens[31:], [1] * 9)).item()
+    assert mx.array_equal(
+        run_chunks(model, loaded, tokens[31:], [1] * 9), run_chunks(model, caches, tokens[31:], [1] * 9)
+    ).item()
 
 
 def test_full_and_compress_modes_resize_quantized_storage():
@@ -179,7 +190,9 @@ def test_full_and_compress_modes_resize_quantized_storage():
     full = make_cache(model, "full", budget=32, kv_bits=8, kv_group_size=GROUP)
     run_chunks(model, full, random_tokens(300), [300])
     assert full[0].size() == 300 and full[0].capacity == 512
-    compress = make_cache(model, "snapkv", budget=24, window=4, slack=0, prompt_mode="compress", kv_bits=4, kv_group_size=GROUP)
+    compress = make_cache(
+        model, "snapkv", budget=24, window=4, slack=0, prompt_mode="compress", kv_bits=4, kv_group_size=GROUP
+    )
     run_chunks(model, compress, random_tokens(70), [64, 1])
     check_invariants(compress, 65, sinks=4)
     assert compress[0].size() == 24
@@ -210,9 +223,15 @@ def test_nbytes_is_about_half_or_quarter_of_float16(bits, low, high):
         (dict(kv_bits=3), r"kv_bits=3 is not supported; use 8 or 4"),
         (dict(kv_bits=16), r"kv_bits=16 is not supported"),
         (dict(kv_bits=8, kv_group_size=48), r"kv_group_size=48 is not supported by mx.quantize; use 32, 64 or 128"),
-        (dict(kv_bits=8, kv_group_size=64), r"kv_group_size=64 does not divide the head dim 32; use --kv-group-size 32"),
+        (
+            dict(kv_bits=8, kv_group_size=64),
+            r"kv_group_size=64 does not divide the head dim 32; use --kv-group-size 32",
+        ),
         (dict(kv_bits=4, kv_group_size=GROUP, full_precision_window=-1), r"full_precision_window=-1 must be"),
-        (dict(kv_bits=4, kv_group_size=GROUP, budget=40, full_precision_window=36), r"full_precision_window=36 leaves no room"),
+        (
+            dict(kv_bits=4, kv_group_size=GROUP, budget=40, full_precision_window=36),
+            r"full_precision_window=36 leaves no room",
+        ),
     ],
 )
 def test_bad_storage_arguments_raise_clear_errors(kwargs, message):

@@ -167,7 +167,8 @@ def render(p: dict[str, Any]) -> str:
         f"a full cache at {_k(compare)} tokens holds {format_bytes(p['kv_bytes_per_token'] * compare)}: "
         f"saves {format_bytes(p['saved_nbytes'])} ({100 * p['saved_fraction']:.0f}%)",
     ]
-    lines.append(f"storage       bytes per token, and tokens the auto KV memory ({format_bytes(p['auto_kv_nbytes'])}) holds:")
+    auto_memory = format_bytes(p["auto_kv_nbytes"])
+    lines.append(f"storage       bytes per token, and tokens the auto KV memory ({auto_memory}) holds:")
     for m in p["storage_modes"]:
         name = f"--kv-bits {m['kv_bits']}" if m["kv_bits"] else f"{8 * p['dtype_size']}-bit float"
         lines.append(f"              {name:<13} {m['bytes_per_token']:>10,} B  {m['fits_tokens']:>12,} tokens")
