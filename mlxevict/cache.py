@@ -16,6 +16,7 @@ collected from earlier queries; it frees ``slack`` extra entries so the next
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -382,6 +383,21 @@ class EvictingKVCache(_BaseCache):
         self.meta_state = v[6]
         self.keys, self.values, self.positions, self.stats = v[:4]
         self.recent_queries, self.recent_query_pos = v[4:6]
+
+    def pin_prompt(self, length: int) -> None:
+        """Pin the first ``length`` tokens (the prompt) if they fit in half the evictable room.
+
+        A longer prompt is not pinned, and a warning says so once per cache.
+        """
+        room = self.budget - self.sinks - self.protected_window - self.slack - self.pinned_tokens
+        if length <= room // 2:
+            self.pin(0, length)
+        else:
+            warnings.warn(
+                f"the prompt ({length} tokens) is longer than half of the room the budget leaves "
+                f"({room // 2}); it is not pinned and may be evicted: raise --budget to keep it",
+                stacklevel=2,
+            )
 
     def pin(self, start: int, end: int) -> None:
         """Always keep absolute positions ``[start, end)`` from now on (e.g. the user prompt)."""

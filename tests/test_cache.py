@@ -224,3 +224,21 @@ def test_patch_is_reversible():
         assert type(model) is not base
     assert qwen2_module.scaled_dot_product_attention is original
     assert type(model) is base
+
+
+def test_default_pins_the_prompt_while_the_reasoning_is_evicted():
+    model = tiny_model("llama")
+    caches = make_cache(model, "default", budget=64)
+    run_chunks(model, caches, random_tokens(120), [20] + [1] * 100)
+    for cache in caches:
+        for head in cache.positions[0].tolist():
+            assert set(range(20)) <= set(head)
+    assert mlxevict.cache_stats(caches).evicted > 0
+
+
+def test_default_says_when_the_prompt_is_too_long_to_pin():
+    model = tiny_model("llama")
+    caches = make_cache(model, "default", budget=64)
+    with pytest.warns(UserWarning, match=r"prompt \(40 tokens\) .* not pinned"):
+        model(random_tokens(40)[None], cache=caches)
+    assert caches[0].pinned == []

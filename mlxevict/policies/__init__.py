@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .anchored import AnchoredPolicy
 from .base import Policy
 from .entropy import EntropyPolicy
 from .full import FullPolicy
@@ -19,6 +20,7 @@ from .window import WindowPolicy
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (
+        AnchoredPolicy,
         EntropyPolicy,
         UncertaintyPolicy,
         WindowPolicy,
@@ -33,7 +35,7 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 # Which policy "default" means, and why: see README "Choosing the default".
-DEFAULT_POLICY = "rkv"
+DEFAULT_POLICY = "anchored"
 
 
 def policy_names() -> list[str]:

@@ -25,6 +25,7 @@ class Policy:
         observes: call :meth:`observe` with the queries seen since the last eviction.
         query_window: how many recent queries the cache keeps for :meth:`score`.
         uses_prediction_entropy: the generation side feeds ``H(p_t)`` each step.
+        pins_prompt: the first model call's tokens (the prompt) are never evicted.
     """
 
     name: ClassVar[str] = ""
@@ -33,6 +34,7 @@ class Policy:
     observes: ClassVar[bool] = False
     query_window: ClassVar[int] = 0
     uses_prediction_entropy: ClassVar[bool] = False
+    pins_prompt: ClassVar[bool] = False
 
     def score(self, cache: "EvictingKVCache") -> mx.array:
         """Importance of each slot, ``(B, H, C)`` float32; higher is kept."""

@@ -1,0 +1,17 @@
+"""The default: keep the prompt whole, score the reasoning with SnapKV's observation window.
+
+A reasoning model's chain of thought serves the question, but a long stretch of
+thinking rarely attends back to it, so attention-based scores (and the recent
+window) let the facts of the prompt decay. This policy pins the prompt (when it
+fits in half of the room the budget leaves) and ranks everything else as
+:class:`SnapKVPolicy` does, the best fidelity among the single signals measured
+in ``docs/results``. See README, "Choosing the default".
+"""
+
+from .snapkv import SnapKVPolicy
+
+
+class AnchoredPolicy(SnapKVPolicy):
+    name = "anchored"
+    source = "mlxevict evaluation (docs/results): prompt pinning + https://arxiv.org/abs/2404.14469"
+    pins_prompt = True
