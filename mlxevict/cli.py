@@ -19,9 +19,17 @@ def _command_adders() -> list[CommandAdder]:
     from .commands.chat import add_chat_parser
     from .commands.generate import add_generate_parser
     from .commands.info import add_info_parser
+    from .benchmarks.cli import add_bench_parser, add_eval_parser
     from .convert.cli import add_convert_parser
 
-    return [add_generate_parser, add_chat_parser, add_info_parser, add_convert_parser]
+    return [
+        add_generate_parser,
+        add_chat_parser,
+        add_info_parser,
+        add_convert_parser,
+        add_bench_parser,
+        add_eval_parser,
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:
