@@ -30,6 +30,7 @@ DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 32  # at most; never more than budget // 8 unless asked
 DEFAULT_SLACK = 16  # at most; never more than budget // 16 unless asked
 GROW_STEP = 256
+PROMPT_PIN_SHARE = 0.75  # most of the evictable room a pinned prompt may take
 PENDING_LIMIT = 64  # queued query tokens before statistics are folded in anyway
 PROMPT_MODES = ("evict", "compress")
 
@@ -385,17 +386,18 @@ class EvictingKVCache(_BaseCache):
         self.recent_queries, self.recent_query_pos = v[4:6]
 
     def pin_prompt(self, length: int) -> None:
-        """Pin the first ``length`` tokens (the prompt) if they fit in half the evictable room.
+        """Pin the first ``length`` tokens (the prompt) if they fit in 3/4 of the evictable room.
 
         A longer prompt is not pinned, and a warning says so once per cache.
         """
         room = self.budget - self.sinks - self.protected_window - self.slack - self.pinned_tokens
-        if length <= room // 2:
+        limit = int(room * PROMPT_PIN_SHARE)
+        if length <= limit:
             self.pin(0, length)
         else:
             warnings.warn(
-                f"the prompt ({length} tokens) is longer than half of the room the budget leaves "
-                f"({room // 2}); it is not pinned and may be evicted: raise --budget to keep it",
+                f"the prompt ({length} tokens) is longer than the {limit} tokens the budget lets "
+                "mlxevict pin; it is not pinned and may be evicted: raise --budget to keep it",
                 stacklevel=2,
             )
 

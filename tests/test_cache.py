@@ -239,6 +239,6 @@ def test_default_pins_the_prompt_while_the_reasoning_is_evicted():
 def test_default_says_when_the_prompt_is_too_long_to_pin():
     model = tiny_model("llama")
     caches = make_cache(model, "default", budget=64)
-    with pytest.warns(UserWarning, match=r"prompt \(40 tokens\) .* not pinned"):
-        model(random_tokens(40)[None], cache=caches)
+    with pytest.warns(UserWarning, match=r"prompt \(50 tokens\) .* not pinned"):
+        model(random_tokens(50)[None], cache=caches)
     assert caches[0].pinned == []
