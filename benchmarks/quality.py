@@ -314,6 +314,8 @@ def run_eval(model: nn.Module, tokenizer: Any, config: EvalConfig, progress: Pro
     rows: list[dict[str, Any]] = []
     ref = None
     with mlxevict.patched(model):
+        # Warm up (weights paged in, kernels built) so the reference's timing is not the slowest.
+        greedy(model, make_caches(model, REFERENCE, None, config.settings), work.prompts[:, :16], 4)
         for name, fraction in [(REFERENCE, None), *runs]:
             if progress:
                 progress(name if fraction is None else f"{name} @ {fraction:g}")
