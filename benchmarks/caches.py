@@ -134,19 +134,25 @@ def kv_bytes(caches: Sequence[Any]) -> int:
 
 
 def kv_bytes_16bit(caches: Sequence[Any]) -> int:
-    """What :func:`kv_bytes` would be for a 16-bit model: packed words as they are, floats at 2 bytes.
+    """KV bytes as a 16-bit model holds them: packed words as they are, floats at 2 bytes.
 
     CPU runs use float32 models (float16 matmuls are slow there), but KV memory is
     compared as a 16-bit model holds it; scales, biases and full-precision windows
     are floats, so a plain ``kv_bytes / 2`` would be wrong for quantized caches.
+    mlx-lm's caches count the entries they hold (their buffers grow 256 slots at a
+    time, so a 512-token run can allocate 756); mlxevict's count their fixed allocation.
     """
     total = 0
     for c in caches:
         if c.empty():
             continue
-        arrays = [c.keys, c.values] + ([c.fp_keys, c.fp_values] if getattr(c, "kv_bits", None) else [])
+        if isinstance(c, mlxevict.EvictingKVCache):
+            arrays, held = [c.keys, c.values] + ([c.fp_keys, c.fp_values] if c.kv_bits else []), None
+        else:
+            arrays, held = [c.keys, c.values], min(c.offset, getattr(c, "max_size", None) or c.offset)
         for _, x in tree_flatten(arrays):
-            total += x.size * (2 if mx.issubdtype(x.dtype, mx.floating) else x.dtype.size)
+            slots = x.shape[2] if held is None else min(held, x.shape[2])
+            total += x.size // max(x.shape[2], 1) * slots * (2 if mx.issubdtype(x.dtype, mx.floating) else x.dtype.size)
     return total
 
 

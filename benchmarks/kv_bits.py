@@ -35,10 +35,11 @@ from .report import table, write_json
 
 DEFAULT_NAMES = (
     "kvcache", "quantized8", "quantized4", "rotating",
-    "default", "default:q8", "default:q4",
+    "default", "default:q8", "default:q4", "h2o:q8", "h2o:q4",
 )  # fmt: skip
 SPEED_NAMES = ("kvcache", "rotating", "quantized8", "quantized4", "default", "default:q8", "default:q4")
-DEFAULT_FRACTIONS = (0.5, 0.25)
+# 0.44: about the largest budget whose :q8 cache holds at most half the bytes of mlx-lm's 8-bit one
+DEFAULT_FRACTIONS = (0.75, 0.44, 0.25)
 TARGET = "quantized8"
 KL_MARGIN = 0.01  # nats
 BYTES_LIMIT = 0.5  # of the target's KV bytes
@@ -124,7 +125,16 @@ def markdown(results: dict[str, Any]) -> str:
         ]
         for r in rows
     ]
-    headers = ["cache", "budget", "KV / 16-bit full", "+ positions, stats", "retrieval", "top-1", "KL (nats)", "gen. agree"]
+    headers = [
+        "cache",
+        "budget",
+        "KV / 16-bit full",
+        "+ positions, stats",
+        "retrieval",
+        "top-1",
+        "KL (nats)",
+        "gen. agree",
+    ]
     t = results["target"]
     verdict = (
         f"met by: {', '.join(t['met_by'])}"
@@ -132,39 +142,52 @@ def markdown(results: dict[str, Any]) -> str:
         else "**not met** by any setting measured (see the checks below)"
     )
     checks = [
-        [c["cache"], f"{c['budget_fraction']:g}", *("yes" if c[k] else "no" for k in
-         ("retrieval", "kl", "bytes", "bytes_with_bookkeeping", "meets"))]  # fmt: skip
+        [
+            c["cache"],
+            f"{c['budget_fraction']:g}",
+            *("yes" if c[k] else "no" for k in ("retrieval", "kl", "bytes", "bytes_with_bookkeeping", "meets")),
+        ]  # fmt: skip
         for c in t["rows"]
     ]
     speed = [
-        [s["cache"], s["versus"], _num(s["ratio"], ".2f"), _num(s["decode_tok_s"], ".1f"), _num(s["versus_tok_s"], ".1f")]
+        [
+            s["cache"],
+            s["versus"],
+            _num(s["ratio"], ".2f"),
+            _num(s["decode_tok_s"], ".1f"),
+            _num(s["versus_tok_s"], ".1f"),
+        ]
         for s in results["speed"]["ratios"]
     ]
     sc = results["speed"]["config"]
-    return "\n\n".join(
-        [
-            f"# Quality per KV byte: evict and quantize ({results['model']})",
-            f"`{results['command']}` — {results['machine']}, mlx {results['mlx']}, mlx-lm {results['mlx_lm']}, "
-            f"{results['seconds']:.0f} s.",
-            f"Quality: context {cfg['context']} tokens, {cfg['retrieval_answers_solved_by_full_cache']} retrieval "
-            f"answers the full cache gets right, {cfg['fidelity_texts']} fidelity texts scored from token "
-            f"{cfg['fidelity_scored_from']}, {cfg['generation_prompts']} generation prompts x {cfg['new_tokens']} "
-            "tokens. KV bytes relative to a 16-bit full `KVCache` at the full context (floats counted at 2 bytes; "
-            "the run itself uses float32 weights). mlxevict's `:q8`/`:q4` keep the newest `window` tokens "
-            "(min(32, budget/8)) in full precision; the `+ positions, stats` column adds mlxevict's 8 bytes "
-            "per slot and kv-head of bookkeeping.",
-            table(headers, body),
-            f"## Target: retrieval >= {t['reference']}'s ({_num(t['reference_retrieval'], '.2f')}), "
-            f"KL <= {_num(t['reference_kl'], '.4f')} + {t['kl_margin']}, KV bytes <= {t['bytes_limit']} x "
-            f"{t['reference']}'s ({_num(t['reference_kv_fraction_16bit'], '.3f')} of 16-bit full)",
-            verdict,
-            table(["cache", "budget", "retrieval", "KL", "bytes", "bytes + bookkeeping", "meets"], checks),
-            f"## Decode speed vs `QuantizedKVCache` at the same bits (budget {sc['budget']}, {sc['new_tokens']} "
-            f"tokens after a {sc['prompt_tokens']}-token prompt, round-robin {sc['segment']}-token segments, "
-            "median of per-round ratios)",
-            table(["cache", "versus", "tok/s ratio", "tok/s", "versus tok/s"], speed),
-        ]
-    ) + "\n"
+    return (
+        "\n\n".join(
+            [
+                f"# Quality per KV byte: evict and quantize ({results['model']})",
+                f"`{results['command']}` — {results['machine']}, mlx {results['mlx']}, mlx-lm {results['mlx_lm']}, "
+                f"{results['seconds']:.0f} s.",
+                f"Quality: context {cfg['context']} tokens, {cfg['retrieval_answers_solved_by_full_cache']} retrieval "
+                f"answers the full cache gets right, {cfg['fidelity_texts']} fidelity texts scored from token "
+                f"{cfg['fidelity_scored_from']}, {cfg['generation_prompts']} generation prompts x {cfg['new_tokens']} "
+                "tokens. KV bytes relative to a 16-bit full `KVCache` holding the whole context (floats counted "
+                "at 2 bytes; the run itself uses float32 weights); mlx-lm's caches are counted by the entries they "
+                "hold, mlxevict's by their fixed allocation (the budget). mlxevict's `:q8`/`:q4` keep the newest "
+                "`window` tokens (min(32, budget/8)) in full precision; the `+ positions, stats` column adds "
+                f"mlxevict's 8 bytes per slot and kv-head of bookkeeping. `default` is `{q['default_policy']}`.",
+                table(headers, body),
+                f"## Target: retrieval >= {t['reference']}'s ({_num(t['reference_retrieval'], '.2f')}), "
+                f"KL <= {_num(t['reference_kl'], '.4f')} + {t['kl_margin']}, KV bytes <= {t['bytes_limit']} x "
+                f"{t['reference']}'s ({_num(t['reference_kv_fraction_16bit'], '.3f')} of 16-bit full)",
+                verdict,
+                table(["cache", "budget", "retrieval", "KL", "bytes", "bytes + bookkeeping", "meets"], checks),
+                f"## Decode speed vs `QuantizedKVCache` at the same bits (budget {sc['budget']}, {sc['new_tokens']} "
+                f"tokens after a {sc['prompt_tokens']}-token prompt, round-robin {sc['segment']}-token segments, "
+                "median of per-round ratios)",
+                table(["cache", "versus", "tok/s ratio", "tok/s", "versus tok/s"], speed),
+            ]
+        )
+        + "\n"
+    )
 
 
 def plot(results: dict[str, Any], path: Path) -> Path:
@@ -175,7 +198,11 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = results["quality"]["rows"]
-    metrics = [("retrieval_accuracy", "retrieval accuracy"), ("fidelity_top1", "fidelity top-1"), ("fidelity_kl", "KL (nats)")]
+    metrics = [
+        ("retrieval_accuracy", "retrieval accuracy"),
+        ("fidelity_top1", "fidelity top-1"),
+        ("fidelity_kl", "KL (nats)"),
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
@@ -247,8 +274,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "quality": quality,
         "target": check_target(quality["rows"]),
         "speed": {
-            "config": {"budget": bench.budget, "new_tokens": bench.new_tokens, "segment": bench.segment,
-                       "prompt_tokens": bench.prompt_tokens},  # fmt: skip
+            "config": {
+                "budget": bench.budget,
+                "new_tokens": bench.new_tokens,
+                "segment": bench.segment,
+                "prompt_tokens": bench.prompt_tokens,
+            },  # fmt: skip
             "decode": decode,
             "ratios": speed_ratios(decode),
         },

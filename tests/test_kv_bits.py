@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 from tiny_models import random_tokens, tiny_model
 
 from mlxevict import QuantizedEvictingKVCache
-from mlxevict.benchmarks import caches as bcaches
-from mlxevict.benchmarks import kv_bits
+
+# This checkout's benchmarks/, whichever checkout an editable install of mlxevict points at.
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from benchmarks import caches as bcaches  # noqa: E402
+from benchmarks import kv_bits  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,19 +41,19 @@ def test_make_caches_with_storage_suffix(model):
 
 def test_kv_bytes_16bit_counts_floats_at_two_bytes(model):
     tokens = random_tokens(40)[None]
-    made = {
-        n: bcaches.make_caches(model, n, 32, bcaches.CacheSettings()) for n in ("kvcache", "quantized8", "default:q8")
-    }
+    names = ("kvcache", "quantized8", "default:q8", "rotating")
+    made = {n: bcaches.make_caches(model, n, 32, bcaches.CacheSettings()) for n in names}
     for caches in made.values():
         model(tokens, cache=caches)
     layers, H, D = len(model.layers), 2, 64
-    assert bcaches.kv_bytes_16bit(made["kvcache"]) == bcaches.kv_bytes(made["kvcache"]) // 2
-    # mlx-lm: 256 slots (its step) of 64 bytes of packed words plus a 16-bit scale and bias
-    assert bcaches.kv_bytes_16bit(made["quantized8"]) == layers * 2 * H * 256 * (64 + 2 * 2)
+    # mlx-lm: the 40 entries held (of 256 slots allocated), 64 bytes of packed words plus a 16-bit scale and bias
+    assert bcaches.kv_bytes_16bit(made["quantized8"]) == layers * 2 * H * 40 * (64 + 2 * 2)
+    assert bcaches.kv_bytes_16bit(made["kvcache"]) == layers * 2 * H * 40 * D * 2
     # mlxevict: budget 32 with the recent window of 4 in 16-bit, the other 28 slots quantized
     c = made["default:q8"][0]
     assert c.full_precision_window == 4
     assert bcaches.kv_bytes_16bit(made["default:q8"]) == layers * 2 * H * (28 * (64 + 2 * 2) + 4 * D * 2)
+    assert bcaches.kv_bytes_16bit(made["rotating"]) == layers * 2 * H * 32 * D * 2  # max_size 32 of 40 seen
 
 
 def row(cache, fraction, retrieval, kl, nbytes, kind="mlxevict"):
