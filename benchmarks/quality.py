@@ -110,7 +110,9 @@ def build_workload(tokenizer: Any, config: EvalConfig) -> Workload:
     texts = make_fidelity_texts(tokenizer, config.fidelity, L, seed=config.seed)
     generation = make_generation_tasks(tokenizer, config.generation, config.prompt_tokens, seed=config.seed)
     rows = [t.tokens for t in retrieval] + texts
-    prefill = min((len(t.prompt) for t in retrieval), default=config.step)
+    # The whole prompt of every row arrives in the first call, as a real prompt does (a policy
+    # that pins the prompt sees all of it); shorter prompts bring a few reasoning tokens along.
+    prefill = max((len(t.prompt) for t in retrieval), default=config.step)
     return Workload(
         teacher=mx.array(rows, dtype=mx.int32),
         prefill=prefill,
