@@ -102,7 +102,7 @@ def add_bench_parser(subparsers: Any) -> None:
     _common(p)
     p.add_argument("--budget", type=int, default=None, help="entries per layer (default 256)")
     p.add_argument("--new-tokens", type=int, default=None, help="decode tokens per cache (default 1000)")
-    p.add_argument("--contexts", type=_ints, default=None, help="prefill lengths (default 512,1024,2048)")
+    p.add_argument("--contexts", type=_ints, default=None, help="prefill lengths (default 256,512,1024)")
     p.add_argument("--repeats", type=int, default=None, help="repeats of the context sweep (default 1)")
     p.set_defaults(func=_run_bench)
 

@@ -32,7 +32,7 @@ from mlx_lm.generate import generate_step
 from .caches import MLX_LM_CACHES, REFERENCE, CacheSettings, check_budget, kv_bytes, make_caches
 
 ROTATING = "rotating"
-DEFAULT_CONTEXTS = (512, 1024, 2048)
+DEFAULT_CONTEXTS = (256, 512, 1024)  # 2048+ with the quantized caches is slow on a CPU; --contexts
 # The context sweep is long; by default it covers mlx-lm's caches and the three
 # policies the project is about. ``--policies`` overrides it.
 CONTEXT_NAMES = ("kvcache", "rotating", "quantized8", "quantized4", "default", "entropy", "uncertainty")
