@@ -14,7 +14,7 @@ import math
 import mlx.core as mx
 import pytest
 
-from tests.tiny_models import tiny_model
+from tiny_models import tiny_model
 
 from mlxevict.benchmarks import caches as bcaches
 from mlxevict.benchmarks import cli as bcli

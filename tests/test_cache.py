@@ -8,21 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
-from tiny_models import ARCHITECTURES, tiny_model, random_tokens
+from tiny_models import ARCHITECTURES, random_tokens, run_chunks, tiny_model
 
 import mlxevict
 from mlxevict import EvictingKVCache, make_cache, policy_names
 
 EVICTING = [p for p in policy_names() if p != "full"]
-
-
-def run_chunks(model, cache, tokens: mx.array, chunks: list[int]) -> mx.array:
-    """Feed ``tokens`` in the given chunk sizes; return the logits of every position."""
-    out, start = [], 0
-    for size in chunks:
-        out.append(model(tokens[None, start : start + size], cache=cache))
-        start += size
-    return mx.concatenate(out, axis=1)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

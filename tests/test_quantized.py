@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
-from tiny_models import random_tokens, tiny_model
+from tiny_models import random_tokens, run_chunks, tiny_model
 
 import mlxevict
 from mlxevict import QuantizedEvictingKVCache, make_cache, policy_names
@@ -19,14 +19,6 @@ GROUP = 32  # tiny models have head_dim 32 here: mx.quantize's smallest group
 
 def small_model(arch: str = "llama", **overrides):
     return tiny_model(arch, head_dim=GROUP, **overrides)
-
-
-def run_chunks(model, cache, tokens: mx.array, chunks: list[int]) -> mx.array:
-    out, start = [], 0
-    for size in chunks:
-        out.append(model(tokens[None, start : start + size], cache=cache))
-        start += size
-    return mx.concatenate(out, axis=1)
 
 
 def dequantized(packed: tuple[mx.array, ...], n: int, bits: int) -> mx.array:

@@ -38,3 +38,12 @@ def tiny_model(model_type: str = "llama", *, layers: int = 2, seed: int = 0, **o
 
 def random_tokens(n: int, seed: int = 1) -> mx.array:
     return mx.random.randint(0, VOCAB, (n,), key=mx.random.key(seed))
+
+
+def run_chunks(model: nn.Module, cache, tokens: mx.array, chunks: list[int]) -> mx.array:
+    """Feed ``tokens`` in the given chunk sizes; return the logits of every position."""
+    out, start = [], 0
+    for size in chunks:
+        out.append(model(tokens[None, start : start + size], cache=cache))
+        start += size
+    return mx.concatenate(out, axis=1)
