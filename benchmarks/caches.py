@@ -54,21 +54,33 @@ def cache_names() -> list[str]:
     return [*MLX_LM_CACHES, *mlxevict.policy_names()]
 
 
-def default_names() -> list[str]:
-    """What a run compares unless told otherwise: all, except ``default`` (an alias)."""
-    return [n for n in cache_names() if n != "default"]
+def default_names(storage: bool = False) -> list[str]:
+    """What a run compares unless told otherwise: all, except ``default`` (an alias).
+
+    Args:
+        storage: also the default policy stored in 8 and 4 bits (``anchored:q8``,
+            ``anchored:q4``), by its own name so it shares a family with its row.
+    """
+    names = [n for n in cache_names() if n != "default"]
+    if storage:
+        names += [f"{mlxevict.DEFAULT_POLICY}{suffix}" for suffix in STORAGE_SUFFIXES]
+    return names
 
 
-def parse_names(text: str | None) -> list[str]:
+def parse_names(text: str | None, storage: bool = False) -> list[str]:
     """``"rkv,window"`` → names, checked; ``None`` or ``"all"`` → :func:`default_names`.
 
     The reference ``kvcache`` is always included (every ratio needs it).
+
+    Args:
+        text: comma-separated names, ``"all"`` or ``None``.
+        storage: ``"all"`` includes the default policy's storage modes (``mlxevict eval``).
 
     Raises:
         ValueError: an unknown name (the message lists the known ones).
     """
     if not text or text == "all":
-        return default_names()
+        return default_names(storage)
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if not _known(n)]
     if unknown:

@@ -82,8 +82,10 @@ def add_eval_parser(subparsers: Any) -> None:
     """``mlxevict eval MODEL``: quality per budget for every cache."""
     p = subparsers.add_parser(
         "eval",
-        help="quality vs budget: retrieval, fidelity, generation agreement",
-        description="Evaluate every policy and mlx-lm cache at budgets that are fractions of the context.",
+        help="quality vs budget and KV bytes: retrieval, fidelity, generation agreement",
+        description="Evaluate every policy, the default policy stored in 8 and 4 bits, and mlx-lm's caches at "
+        "budgets that are fractions of the context; plot quality against kept fraction (eval.png) and against "
+        "KV bytes relative to a 16-bit full cache (eval_bytes.png).",
     )
     _common(p)
     p.add_argument("--budgets", type=_fractions, default=None, help="fractions of the context (default 0.5,0.25,0.125)")
@@ -144,7 +146,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     from .quality import EvalConfig, run_eval
     from .report import eval_markdown, write_eval
 
-    names = tuple(parse_names(args.policies))
+    names = tuple(parse_names(args.policies, storage=True))
     quick = dict(context=192, retrieval=2, fidelity=1, generation=2, prompt_tokens=100, new_tokens=16) if args.quick else {}
     given = {
         k: v

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .caches import CacheSettings, split_storage
-from .report import table, write_json
+from .report import plot_bytes, table, write_json
 
 DEFAULT_NAMES = (
     "kvcache", "quantized8", "quantized4", "rotating",
@@ -190,45 +190,6 @@ def markdown(results: dict[str, Any]) -> str:
     )
 
 
-def plot(results: dict[str, Any], path: Path) -> Path:
-    """Retrieval, top-1 and KL against KV bytes relative to a 16-bit full cache."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = results["quality"]["rows"]
-    metrics = [
-        ("retrieval_accuracy", "retrieval accuracy"),
-        ("fidelity_top1", "fidelity top-1"),
-        ("fidelity_kl", "KL (nats)"),
-    ]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault(r["cache"], []).append(r)
-    for ax, (key, title) in zip(axes, metrics):
-        for name, rs in groups.items():
-            pts = sorted((r["kv_fraction_16bit"], r[key]) for r in rs if r[key] is not None)
-            if not pts:
-                continue
-            style = "s--" if rs[0]["kind"] == "mlx-lm" else "o-"
-            ax.plot([p[0] for p in pts], [max(p[1], 1e-5) if key == "fidelity_kl" else p[1] for p in pts],
-                    style, label=name, markersize=5)  # fmt: skip
-        ax.set_xscale("log", base=2)
-        if key == "fidelity_kl":
-            ax.set_yscale("log")
-        ax.set_xlabel("KV bytes / 16-bit full cache")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"quality per KV byte: evict and quantize ({results['model']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
     import mlx_lm
@@ -306,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     md = args.out / "kv_bits.md"
     md.write_text(markdown(results))
-    for path in (write_json(results, args.out / "kv_bits.json"), md, plot(results, args.out / "kv_bits.png")):
+    title = f"quality per KV byte: evict and quantize ({results['model']})"
+    png = plot_bytes(results["quality"]["rows"], args.out / "kv_bits.png", title)
+    for path in (write_json(results, args.out / "kv_bits.json"), md, png):
         print(path)
     print(json.dumps(results["target"]["met_by"]))
     return 0

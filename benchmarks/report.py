@@ -37,7 +37,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def _label(row: dict[str, Any], default_policy: str) -> str:
     name = row["cache"]
-    return f"{name} (= default)" if name == default_policy else name
+    base, _, storage = name.partition(":")
+    return f"{name} (= default{':' + storage if storage else ''})" if base == default_policy else name
 
 
 def eval_markdown(results: dict[str, Any]) -> str:
@@ -59,12 +60,13 @@ def eval_markdown(results: dict[str, Any]) -> str:
             _num(r["decode_ratio"], ".2f"),
             _bytes(r["peak_memory"]),
             _bytes(r["kv_bytes"]),
+            _num(r["kv_fraction_16bit"]),
         ]
         for r in rows
     ]
     head = [
-        "cache", "budget", "retrieval acc.", "fidelity top-1", "KL (nats)",
-        "gen. agreement (tokens)", "trace length", "decode × full (noisy)", "peak memory", "KV bytes / seq.",
+        "cache", "budget", "retrieval acc.", "fidelity top-1", "KL (nats)", "gen. agreement (tokens)",
+        "trace length", "decode × full (noisy)", "peak memory", "KV bytes / seq.", "KV / 16-bit full",
     ]  # fmt: skip
     notes = [
         f"Context {cfg['context']} tokens (generation: {cfg['prompt_tokens']} prompt + {cfg['new_tokens']} "
@@ -74,7 +76,10 @@ def eval_markdown(results: dict[str, Any]) -> str:
         f"{cfg['fidelity_texts']} natural texts; generation agreement: greedy tokens equal to the full cache's "
         f"before the first difference (of {cfg['new_tokens']}), mean over {cfg['generation_prompts']} prompts. "
         "Decode × full is one batched measurement per cache, sequential, so it moves with the machine's load; "
-        "`mlxevict bench` measures speed properly.",
+        "`mlxevict bench` measures speed properly. KV / 16-bit full: KV bytes relative to a 16-bit full "
+        "`KVCache` holding the whole context, as a 16-bit model holds them (floats at 2 bytes, packed words as "
+        "they are; mlx-lm's caches by the entries they hold, mlxevict's by their budget); `NAME:q8`/`:q4` store "
+        "what they keep in 8/4 bits.",
     ]
     skipped = "".join(f"\n- skipped {s['cache']} @ {s['budget_fraction']:g}: {s['reason']}" for s in results["skipped"])
     return table(head, body) + "\n\n" + " ".join(notes) + skipped + "\n"
@@ -172,6 +177,47 @@ def plot_eval(results: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def plot_bytes(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """Retrieval, fidelity top-1 and KL vs KV bytes relative to a 16-bit full cache, one line per cache.
+
+    The quality-per-byte frontier: eviction, quantization and both on one axis
+    (``kv_fraction_16bit``), mlx-lm's caches dashed. KL is drawn on a log scale,
+    with zero (the full cache) at 1e-5.
+    """
+    plt = _pyplot()
+    metrics = [("retrieval_accuracy", "retrieval accuracy"), ("fidelity_top1", "fidelity top-1"), ("fidelity_kl", "KL (nats)")]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(15, 4.5))
+    by_cache: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_cache.setdefault(r["cache"], []).append(r)
+    colors = plt.get_cmap("tab20").colors
+    for ax, (key, metric) in zip(axes, metrics):
+        for i, (name, group) in enumerate(by_cache.items()):
+            pts = sorted(
+                (r["kv_fraction_16bit"], max(r[key], 1e-5) if key == "fidelity_kl" else r[key])
+                for r in group
+                if r[key] is not None and not _isnan(r[key]) and r["kv_fraction_16bit"] is not None
+            )
+            if not pts:
+                continue
+            ax.plot(
+                [p[0] for p in pts], [p[1] for p in pts], "s--" if group[0]["kind"] == "mlx-lm" else "o-",
+                label=name, markersize=4, color=colors[i % len(colors)],
+            )  # fmt: skip
+        ax.set_xscale("log", base=2)
+        if key == "fidelity_kl":
+            ax.set_yscale("log")
+        ax.set_xlabel("KV bytes / 16-bit full cache")
+        ax.set_title(metric)
+        ax.grid(alpha=0.3)
+    max(axes, key=lambda ax: len(ax.get_lines())).legend(fontsize=7, ncol=2)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _kept(row: dict[str, Any]) -> float:
     """Budget / context; for quantized caches (which keep every token) their byte fraction."""
     if row["budget_fraction"] is not None:
@@ -213,11 +259,17 @@ def plot_memory(results: dict[str, Any], path: Path) -> Path:
 
 
 def write_eval(results: dict[str, Any], out: Path) -> list[Path]:
-    """``eval.json``, ``eval.md`` and ``eval.png`` in ``out``."""
+    """``eval.json``, ``eval.md``, ``eval.png`` (vs kept fraction) and ``eval_bytes.png`` (vs KV bytes) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     md = out / "eval.md"
     md.write_text(eval_markdown(results))
-    return [write_json(results, out / "eval.json"), md, plot_eval(results, out / "eval.png")]
+    title = f"mlxevict eval: quality per KV byte ({results.get('model', '')})"
+    return [
+        write_json(results, out / "eval.json"),
+        md,
+        plot_eval(results, out / "eval.png"),
+        plot_bytes(results["rows"], out / "eval_bytes.png", title),
+    ]
 
 
 def write_bench(results: dict[str, Any], out: Path) -> list[Path]:

@@ -16,6 +16,7 @@ import pytest
 
 from tiny_models import tiny_model
 
+import mlxevict
 from mlxevict.benchmarks import caches as bcaches
 from mlxevict.benchmarks import cli as bcli
 from mlxevict.benchmarks import quality, report, speed, tasks
@@ -109,6 +110,8 @@ def test_chunk_bounds_prefill_then_decode_sized_steps():
 def test_parse_names_keeps_the_reference_and_rejects_unknown_names():
     assert bcaches.parse_names("rkv,window")[0] == "kvcache"
     assert "default" not in bcaches.parse_names("all")
+    storage = [n for n in bcaches.parse_names("all", storage=True) if n not in bcaches.parse_names("all")]
+    assert storage == [f"{mlxevict.DEFAULT_POLICY}:q8", f"{mlxevict.DEFAULT_POLICY}:q4"]
     with pytest.raises(ValueError, match="unknown cache or policy nope"):
         bcaches.parse_names("rkv,nope")
 
@@ -121,8 +124,9 @@ def test_budget_check_names_the_fix():
 
 # ---- end to end on a random-weight model ------------------------------------------------
 def test_eval_end_to_end_structure(model, tmp_path):
+    names = bcaches.default_names(storage=True)
     config = quality.EvalConfig(
-        names=tuple(bcaches.default_names()),
+        names=tuple(names),
         context=400,
         fractions=(0.5, 0.25),
         retrieval=2,
@@ -134,7 +138,7 @@ def test_eval_end_to_end_structure(model, tmp_path):
     labels = []
     results = quality.run_eval(model, TOK, config, labels.append)
     rows = {(r["cache"], r["budget_fraction"]) for r in results["rows"]}
-    for name in bcaches.default_names():
+    for name in names:
         fractions = (0.5, 0.25) if bcaches.takes_budget(name) else (None,)
         for f in fractions:
             assert (name, f) in rows, (name, f)
@@ -145,9 +149,15 @@ def test_eval_end_to_end_structure(model, tmp_path):
     ref = results["rows"][0]
     assert ref["cache"] == "kvcache" and ref["fidelity_kl"] == 0.0 and ref["fidelity_top1"] == 1.0
     assert len(labels) == len(results["rows"])
+    # 8-bit storage of the same policy and budget holds fewer bytes than the model's dtype
+    by_name = {(r["cache"], r["budget_fraction"]): r for r in results["rows"]}
+    default = mlxevict.DEFAULT_POLICY
+    assert by_name[(f"{default}:q8", 0.5)]["kv_fraction_16bit"] < by_name[(default, 0.5)]["kv_fraction_16bit"]
     paths = report.write_eval(results, tmp_path)
+    assert {p.name for p in paths} == {"eval.json", "eval.md", "eval.png", "eval_bytes.png"}
     assert json.loads((tmp_path / "eval.json").read_text())["rows"]
-    assert "| cache |" in (tmp_path / "eval.md").read_text()
+    md = (tmp_path / "eval.md").read_text()
+    assert "| cache |" in md and "KV / 16-bit full |" in md and f"| {default}:q8 (= default:q8) |" in md
     assert all(p.exists() and p.stat().st_size > 0 for p in paths)
 
 
@@ -190,15 +200,16 @@ def test_quick_eval_and_bench_on_the_real_model(smollm_path, tmp_path, capsys):
     sub = parser.add_subparsers()
     bcli.add_eval_parser(sub)
     bcli.add_bench_parser(sub)
-    policies = "default,rotating"
-    for verb in ("eval", "bench"):
+    for verb, policies in (("eval", "default,default:q8,rotating"), ("bench", "default,rotating")):
         args = parser.parse_args([verb, str(smollm_path), "--quick", "--out", str(tmp_path), "--policies", policies])
         assert args.func(args) == 0
     results = json.loads((tmp_path / "eval.json").read_text())
     assert results["config"]["retrieval_answers_solved_by_full_cache"] >= 0
     for row in results["rows"]:
-        for key in EVAL_KEYS:
+        for key in (*EVAL_KEYS, "kv_fraction_16bit"):
             assert key in row
+    assert "KV / 16-bit full" in (tmp_path / "eval.md").read_text()
+    assert (tmp_path / "eval_bytes.png").stat().st_size > 0
     bench = json.loads((tmp_path / "bench.json").read_text())
     assert {r["cache"] for r in bench["decode"]} == {"kvcache", "default", "rotating"}
     assert (tmp_path / "eval.png").stat().st_size > 0 and (tmp_path / "memory.png").stat().st_size > 0
