@@ -23,6 +23,7 @@ class CacheStats:
         nbytes: KV bytes allocated now, all layers.
         full_nbytes: KV bytes a full ``KVCache`` would hold for ``tokens_seen``.
         kv_bits: storage bits (``None``: the model's dtype).
+        full_precision_window: with ``kv_bits``, the newest tokens kept in the model's dtype.
     """
 
     policy: str
@@ -35,6 +36,7 @@ class CacheStats:
     nbytes: int
     full_nbytes: int
     kv_bits: int | None = None
+    full_precision_window: int | None = None
 
     @property
     def saved_nbytes(self) -> int:
@@ -68,4 +70,5 @@ def cache_stats(caches: Sequence[EvictingKVCache]) -> CacheStats:
         nbytes=sum(c.nbytes for c in evicting),
         full_nbytes=sum(c.offset * bytes_per_token(c) for c in evicting),
         kv_bits=first.kv_bits,
+        full_precision_window=first.full_precision_window if first.kv_bits else None,
     )

@@ -411,12 +411,34 @@ def test_kv_bits_memory_budget_buys_more_tokens(capsys, tiny32):
     [
         (("--kv-group-size", "32"), "--kv-group-size 32 needs --kv-bits 8 or 4"),
         (("--kv-bits", "8"), "kv_group_size=64 does not divide the head dim 16; store this model's KV unquantized"),
+        (("--fp-window", "16"), "--fp-window 16 needs --kv-bits 8 or 4"),
+        (("--kv-bits", "8", "--fp-window", "-1"), "--fp-window -1 must be a number of tokens >= 0"),
     ],
 )
 def test_bad_kv_bits_options_are_one_error_line(capsys, tiny, extra, expected):
     rc, _, err = cli(capsys, "generate", tiny, "-p", "hi", "--max-tokens", "2", *extra)
     assert rc == 1
     one_error_line(err, expected)
+
+
+def test_fp_window_sets_the_full_precision_window(capsys, tiny32):
+    args = ("generate", tiny32, "-p", PROMPT, "--budget", "64", "--max-tokens", "40", "--temp", "0", "--json")
+    quantized = (*args, "--kv-bits", "8", "--kv-group-size", "32")
+    caches = {n: json.loads(cli(capsys, *quantized, *(("--fp-window", n) if n else ()))[1])["cache"] for n in (None, "0", "16")}
+    # default: --window, min(32, budget/8) = 8; full-precision slots cost more bytes than quantized ones
+    assert [caches[n]["full_precision_window"] for n in (None, "0", "16")] == [8, 0, 16]
+    assert caches["0"]["nbytes"] < caches[None]["nbytes"] < caches["16"]["nbytes"]
+    assert all(c["evicted"] > 0 for c in caches.values())
+    assert json.loads(cli(capsys, *args)[1])["cache"]["full_precision_window"] is None
+    rc, _, err = cli(capsys, *quantized, "--fp-window", "60")
+    assert rc == 1
+    one_error_line(err, "full_precision_window=60 leaves no room to evict at budget=64")
+
+
+def test_chat_takes_fp_window(capsys, tiny32):
+    options = ("--budget", "64", "--max-tokens", "4", "--kv-bits", "4", "--kv-group-size", "32", "--fp-window", "12")
+    rc, _, err = cli(capsys, "chat", tiny32, "--plain", *options, stdin="hi\n/stats\n")
+    assert rc == 0 and "kv_bits=4, full_precision_window=12)" in err
 
 
 def test_kv_bits_outside_8_and_4_is_refused_by_the_parser(capsys, tiny):

@@ -33,7 +33,7 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_cache_options(parser: argparse.ArgumentParser) -> None:
-    """``--policy``, ``--budget``, ``--window``, ``--sinks``, ``--kv-bits``, ``--kv-group-size``."""
+    """``--policy``, ``--budget``, ``--window``, ``--sinks``, ``--kv-bits``, ``--kv-group-size``, ``--fp-window``."""
     group = parser.add_argument_group("KV cache")
     group.add_argument(
         "--policy", default="default", choices=policy_names(), help="eviction policy (default: %(default)s)"
@@ -62,6 +62,14 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help=f"values per quantization scale and bias with --kv-bits: 32, 64 or 128 (default {DEFAULT_GROUP_SIZE})",
+    )
+    group.add_argument(
+        "--fp-window",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --kv-bits: the newest N tokens kept in full precision until they are folded in "
+        "(0 quantizes every token at once, as mlx-lm's --kv-bits does); default: --window",
     )
 
 
@@ -102,8 +110,10 @@ def load(args: argparse.Namespace) -> tuple[Resolved, Any, Any]:
 def resolve_budget(request: BudgetRequest, model: Any, **storage: Any) -> int:
     """Tokens for ``--budget``, capped at the model's context.
 
-    Memory forms use the KV bytes per token of the storage (``storage``: ``kv_bits``, ``kv_group_size``).
+    Memory forms use the KV bytes per token of the storage (``storage``: ``kv_bits``, ``kv_group_size``;
+    the full-precision window is counted at the quantized size, like every slot).
     """
+    storage = {k: v for k, v in storage.items() if k in ("kv_bits", "kv_group_size")}
     limit = getattr(model.args, "max_position_embeddings", None)
     tokens = budget_tokens(request, model, context_limit=limit, **storage)
     if request.nbytes is not None and tokens < 1:
@@ -123,12 +133,18 @@ def resolve_budget(request: BudgetRequest, model: Any, **storage: Any) -> int:
 
 
 def storage_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``kv_bits``/``kv_group_size`` for ``make_cache`` (empty without ``--kv-bits``)."""
+    """``kv_bits``, ``kv_group_size``, ``full_precision_window`` for ``make_cache`` (empty without ``--kv-bits``)."""
     if args.kv_bits is None:
-        if args.kv_group_size is not None:
-            raise MlxEvictError(f"--kv-group-size {args.kv_group_size} needs --kv-bits 8 or 4")
+        for flag, value in (("--kv-group-size", args.kv_group_size), ("--fp-window", args.fp_window)):
+            if value is not None:
+                raise MlxEvictError(f"{flag} {value} needs --kv-bits 8 or 4 (without it nothing is quantized)")
         return {}
-    return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size or DEFAULT_GROUP_SIZE}
+    if args.fp_window is not None and args.fp_window < 0:
+        raise MlxEvictError(f"--fp-window {args.fp_window} must be a number of tokens >= 0")
+    storage = {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size or DEFAULT_GROUP_SIZE}
+    if args.fp_window is not None:
+        storage["full_precision_window"] = args.fp_window
+    return storage
 
 
 def build_caches(model: Any, args: argparse.Namespace, request: BudgetRequest) -> list:
