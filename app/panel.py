@@ -136,10 +136,12 @@ class StatsPanel(VerticalScroll):
         gauge.set((Segment(c.kept, "gauge--primary"),), total=max(c.capacity, 1), marker=c.effective_budget)
         saved = c.saved_nbytes
         share = f" ({saved / c.full_nbytes:.0%})" if c.full_nbytes else ""
+        # Quantized storage saves bytes too: say so, or the saving reads as eviction alone.
+        storage = f" ({c.kv_bits}-bit)" if c.kv_bits else ""
         text.update(
             f"kept [b]{format_count(c.kept)}[/b] / {format_count(c.capacity)} slots\n"
             f"evicted [b]{format_count(c.evicted)}[/b] of {format_count(c.tokens_seen)} seen\n"
-            f"KV {format_bytes(c.nbytes)} · full {format_bytes(c.full_nbytes)}\n"
+            f"KV {format_bytes(c.nbytes)}{storage} · full {format_bytes(c.full_nbytes)}\n"
             f"saved [b]{format_bytes(saved)}[/b]{share}"
         )
 

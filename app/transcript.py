@@ -84,11 +84,19 @@ def cache_table(c: CacheStats) -> list[str]:
         ("kept", format_count(c.kept)),
         ("evicted", format_count(c.evicted)),
         ("tokens seen", format_count(c.tokens_seen)),
+        ("KV storage", storage_text(c)),
         ("KV bytes", format_bytes(c.nbytes)),
         ("full cache would be", format_bytes(c.full_nbytes)),
         ("saved", format_bytes(c.saved_nbytes) + share),
     ]
     return ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
+
+
+def storage_text(c: CacheStats) -> str:
+    """How the kept entries are stored: the model's dtype, or quantized with a full-precision window."""
+    if not c.kv_bits:
+        return "model dtype"
+    return f"{c.kv_bits}-bit, newest {format_count(c.full_precision_window or 0)} tokens in full precision"
 
 
 def save_transcript(text: str, directory: Path, saved_at: datetime) -> Path:

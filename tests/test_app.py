@@ -19,6 +19,7 @@ from typing import Iterator
 import pytest
 from textual.command import CommandPalette
 from textual.widgets import Collapsible, Input, OptionList, Static
+from tiny_model import build_tiny_model
 
 from mlxevict.app.conversation import ModelTurn, Notice, UserTurn
 from mlxevict.app.main import ChatApp, make_app
@@ -26,8 +27,9 @@ from mlxevict.app.messages import Update
 from mlxevict.app.panel import StatsPanel
 from mlxevict.app.settings import SettingsScreen
 from mlxevict.app.stream import Batcher
+from mlxevict.app.transcript import cache_table
 from mlxevict.events import Finished, Progress, TextChunk
-from mlxevict.generate import ThinkSplitter
+from mlxevict.generate import ChatSession, ThinkSplitter
 from mlxevict.stats import CacheStats
 from mlxevict.telemetry import MemorySnapshot
 
@@ -349,6 +351,40 @@ async def test_settings_dialog_changes_policy_and_budget():
         assert (session.policy, session.budget) == ("window", 512)
         assert app.settings == ("window", 512)
         assert "window · budget 512" in str(app.query_one("#kv-policy", Static).render())
+
+
+@pytest.fixture(scope="module")
+def tiny32(tmp_path_factory):
+    """A random-weight model on disk with head_dim 32, loaded (8-bit storage groups by 32)."""
+    from mlx_lm import load
+
+    return load(str(build_tiny_model(tmp_path_factory.mktemp("app") / "tiny32", hidden=128)))
+
+
+@pilot_test
+async def test_settings_dialog_keeps_quantized_storage_and_the_panel_says_so(tiny32):
+    model, tokenizer = tiny32
+    storage = dict(kv_bits=8, kv_group_size=32, full_precision_window=12)
+    session = ChatSession(model, tokenizer, policy="window", budget=64, max_tokens=8, temp=0.0, **storage)
+    app = scripted_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("ctrl+o")
+        await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen), timeout=5)
+        app.screen.query_one("#policy").value = "h2o"
+        budget = app.screen.query_one("#budget", Input)
+        budget.value = "96"
+        budget.focus()
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: session.budget == 96)
+        cache = session.caches[0]
+        assert (session.policy, cache.kv_bits, cache.kv_group_size, cache.full_precision_window) == ("h2o", 8, 32, 12)
+        await ask(pilot, "hi")
+        await wait_idle(pilot)
+        stats = app.turns[-1].finished.progress.cache
+        assert (stats.kv_bits, stats.full_precision_window, stats.capacity) == (8, 12, 96)
+        kv = str(app.query_one(StatsPanel).query_one("#kv-text", Static).render())
+        assert "(8-bit) · full" in kv
+    assert "| KV storage | 8-bit, newest 12 tokens in full precision |" in cache_table(stats)
 
 
 @pilot_test
