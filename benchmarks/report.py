@@ -8,6 +8,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 KIB, MIB = 1024, 1024**2
+QUALITY_METRICS = (
+    ("retrieval_accuracy", "retrieval accuracy"),
+    ("fidelity_top1", "fidelity top-1"),
+    ("fidelity_kl", "KL (nats)"),
+)  # row key, plot title
 
 
 def write_json(results: dict[str, Any], path: Path) -> Path:
@@ -78,8 +83,8 @@ def eval_markdown(results: dict[str, Any]) -> str:
         "Decode × full is one batched measurement per cache, sequential, so it moves with the machine's load; "
         "`mlxevict bench` measures speed properly. KV / 16-bit full: KV bytes relative to a 16-bit full "
         "`KVCache` holding the whole context, as a 16-bit model holds them (floats at 2 bytes, packed words as "
-        "they are; mlx-lm's caches by the entries they hold, mlxevict's by their budget); `NAME:q8`/`:q4` store "
-        "what they keep in 8/4 bits.",
+        "they are; mlx-lm's caches by the entries they hold, mlxevict's by their fixed allocation); "
+        "`NAME:q8`/`:q4` store what they keep in 8/4 bits.",
     ]
     skipped = "".join(f"\n- skipped {s['cache']} @ {s['budget_fraction']:g}: {s['reason']}" for s in results["skipped"])
     return table(head, body) + "\n\n" + " ".join(notes) + skipped + "\n"
@@ -148,13 +153,12 @@ def _pyplot():
 def plot_eval(results: dict[str, Any], path: Path) -> Path:
     """Retrieval accuracy, fidelity top-1 and KL vs kept fraction, one line per cache."""
     plt = _pyplot()
-    metrics = [("retrieval_accuracy", "retrieval accuracy"), ("fidelity_top1", "fidelity top-1"), ("fidelity_kl", "KL (nats)")]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, len(QUALITY_METRICS), figsize=(15, 4.5))
     by_cache: dict[str, list[dict[str, Any]]] = {}
     for r in results["rows"]:
         by_cache.setdefault(r["cache"], []).append(r)
     colors = plt.get_cmap("tab20").colors
-    for ax, (key, title) in zip(axes, metrics):
+    for ax, (key, title) in zip(axes, QUALITY_METRICS):
         for i, (name, rows) in enumerate(by_cache.items()):
             pts = [(_kept(r), r[key]) for r in rows if r[key] is not None and not _isnan(r[key])]
             if not pts:
@@ -185,13 +189,12 @@ def plot_bytes(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     with zero (the full cache) at 1e-5.
     """
     plt = _pyplot()
-    metrics = [("retrieval_accuracy", "retrieval accuracy"), ("fidelity_top1", "fidelity top-1"), ("fidelity_kl", "KL (nats)")]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, len(QUALITY_METRICS), figsize=(15, 4.5))
     by_cache: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by_cache.setdefault(r["cache"], []).append(r)
     colors = plt.get_cmap("tab20").colors
-    for ax, (key, metric) in zip(axes, metrics):
+    for ax, (key, metric) in zip(axes, QUALITY_METRICS):
         for i, (name, group) in enumerate(by_cache.items()):
             pts = sorted(
                 (r["kv_fraction_16bit"], max(r[key], 1e-5) if key == "fidelity_kl" else r[key])

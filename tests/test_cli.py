@@ -424,7 +424,9 @@ def test_bad_kv_bits_options_are_one_error_line(capsys, tiny, extra, expected):
 def test_fp_window_sets_the_full_precision_window(capsys, tiny32):
     args = ("generate", tiny32, "-p", PROMPT, "--budget", "64", "--max-tokens", "40", "--temp", "0", "--json")
     quantized = (*args, "--kv-bits", "8", "--kv-group-size", "32")
-    caches = {n: json.loads(cli(capsys, *quantized, *(("--fp-window", n) if n else ()))[1])["cache"] for n in (None, "0", "16")}
+    caches = {}
+    for n in (None, "0", "16"):
+        caches[n] = json.loads(cli(capsys, *quantized, *(("--fp-window", n) if n else ()))[1])["cache"]
     # default: --window, min(32, budget/8) = 8; full-precision slots cost more bytes than quantized ones
     assert [caches[n]["full_precision_window"] for n in (None, "0", "16")] == [8, 0, 16]
     assert caches["0"]["nbytes"] < caches[None]["nbytes"] < caches["16"]["nbytes"]
