@@ -118,10 +118,15 @@ class EvictingKVCache(_BaseCache):
         validate_budget(budget, sinks, window, slack, self.pinned_tokens)
         self.budget, self.sinks, self.window, self.slack = budget, sinks, window, slack
         self.prompt_mode = prompt_mode
-        self.keys = self.values = self.positions = self.stats = None
+        # Slots appended since positions/stats were last read: (first slot, first position,
+        # count). Written in one go on the next read, not one scatter per token.
+        self._fresh: tuple[int, int, int] | None = None
+        self._positions: mx.array | None = None
+        self._stats: mx.array | None = None
+        self.keys = self.values = None
         self.recent_queries = self.recent_query_pos = None
         self._pending_queries: list[mx.array] = []
-        self._pending_pos: list[mx.array] = []
+        self._pending_start = 0  # position of the first queued query (queued queries are consecutive)
         self._pending_entropy: list[mx.array] = []
         self.scale = 1.0
         self.offset = 0  # absolute position: tokens seen so far
@@ -129,10 +134,42 @@ class EvictingKVCache(_BaseCache):
         self.evictions = 0
         self._last_budget = budget
 
+    # ---- per-slot bookkeeping ---------------------------------------------
+    @property
+    def positions(self) -> mx.array | None:
+        """``(B, H, C)`` absolute position of each slot, -1 if empty."""
+        self._write_fresh()
+        return self._positions
+
+    @positions.setter
+    def positions(self, value: mx.array | None) -> None:
+        self._write_fresh()
+        self._positions = value
+
+    @property
+    def stats(self) -> mx.array | None:
+        """``(B, H, C)`` float32 per-slot statistics a policy keeps (0 for new slots)."""
+        self._write_fresh()
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: mx.array | None) -> None:
+        self._write_fresh()
+        self._stats = value
+
+    def _write_fresh(self) -> None:
+        """Give the slots appended since the last read their positions and zero stats."""
+        if self._fresh is None:
+            return
+        slot, position, n = self._fresh
+        self._fresh = None
+        self._positions[..., slot : slot + n] = mx.arange(position, position + n, dtype=mx.int32)
+        self._stats[..., slot : slot + n] = 0.0
+
     # ---- mlx-lm protocol -------------------------------------------------
     @property
     def capacity(self) -> int:
-        return 0 if self.positions is None else self.positions.shape[2]
+        return 0 if self._positions is None else self._positions.shape[2]
 
     @property
     def protected_window(self) -> int:
@@ -185,8 +222,10 @@ class EvictingKVCache(_BaseCache):
             self._grow(self._size + S)
         start, end = self._size, self._size + S
         self._write(keys, values, start)
-        self.positions[..., start:end] = mx.arange(self.offset, self.offset + S, dtype=mx.int32)
-        self.stats[..., start:end] = 0.0
+        if self._fresh is None:
+            self._fresh = (start, self.offset, S)
+        else:
+            self._fresh = (*self._fresh[:2], self._fresh[2] + S)
         self._size = end
         self.offset += S
         if self.prompt_mode == "compress" and S == 1 and self.policy.evicts and self.capacity > self.budget:
@@ -222,9 +261,12 @@ class EvictingKVCache(_BaseCache):
         and one batched kernel call replaces one call per token.
         """
         self.scale = scale
-        S = queries.shape[2]
+        policy = self.policy
+        if not (policy.query_window or policy.observes or policy.uses_prediction_entropy):
+            return
+        if not self._pending_queries:
+            self._pending_start = self.offset - queries.shape[2]
         self._pending_queries.append(queries)
-        self._pending_pos.append(mx.arange(self.offset - S, self.offset, dtype=mx.int32))
 
     def feed_prediction_entropy(self, entropy: mx.array) -> None:
         """Queue ``H(p_t)`` (``(B, S)`` nats) of the step's positions for the policy."""
@@ -235,9 +277,9 @@ class EvictingKVCache(_BaseCache):
         if not self._pending_queries:
             return
         queries = mx.concatenate(self._pending_queries, axis=2)  # B, H*G, P, D
-        query_pos = mx.concatenate(self._pending_pos)  # P
+        query_pos = mx.arange(self._pending_start, self._pending_start + queries.shape[2], dtype=mx.int32)
         entropy = mx.concatenate(self._pending_entropy, axis=1) if self._pending_entropy else None
-        self._pending_queries, self._pending_pos, self._pending_entropy = [], [], []
+        self._pending_queries, self._pending_entropy = [], []
         window = self.policy.query_window
         if window:
             if self.recent_queries is None:

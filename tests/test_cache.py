@@ -88,6 +88,22 @@ def test_decode_evicts_and_keeps_invariants(policy):
     assert stats.nbytes < stats.full_nbytes
 
 
+def test_slots_reused_after_compaction_start_with_zero_stats():
+    """Positions and stats of new slots are written lazily; a read must see them fresh."""
+    model = tiny_model("llama")
+    caches = make_cache(model, "h2o", budget=24, sinks=4, window=4, slack=2)
+    tokens = random_tokens(40)
+    model(tokens[None, :20], cache=caches)
+    for t in range(20, 40):
+        model(tokens[None, t : t + 1], cache=caches)
+        for cache in caches:
+            end = cache.size()
+            new = cache.offset - cache.positions[0, 0, end - 1].item()
+            # Slots filled since the last flush have seen no query yet: stats exactly 0.
+            assert new == 1 and (cache.stats[..., end - 1] == 0).all().item()
+    assert mlxevict.cache_stats(caches).evicted > 0 and any(c.stats.max().item() > 0 for c in caches)
+
+
 @pytest.mark.parametrize("policy", EVICTING)
 def test_save_and_load_continue_identically(policy, tmp_path):
     model = tiny_model("llama")
