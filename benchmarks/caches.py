@@ -9,7 +9,7 @@ mlx-lm's baselines go by these names:
 
 Everything else is an mlxevict policy name (``mlxevict.policy_names()``); a policy name
 with ``:q8`` or ``:q4`` (``default:q8``) stores what it keeps in 8 or 4 bits
-(``make_cache(..., kv_bits=8)``, group size 64, full-precision window = recent window).
+(``make_cache(..., kv_bits=8)``, group size 64, full-precision window min(32, budget // 8)).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 import mlxevict
 from mlxevict.cache import DEFAULT_BUDGET, DEFAULT_SINKS, default_slack, default_window
+from mlxevict.policies import make_policy
 
 REFERENCE = "kvcache"
 MLX_LM_CACHES = ("kvcache", "rotating", "quantized8", "quantized4")
@@ -42,9 +43,9 @@ class CacheSettings:
     window: int | None = None
     slack: int | None = None
 
-    def protected(self, budget: int) -> int:
-        """Entries a budget must exceed: sinks + window + slack at this budget."""
-        window = default_window(budget) if self.window is None else self.window
+    def protected(self, budget: int, policy: str = "default") -> int:
+        """Entries a budget must exceed: sinks + window + slack at this budget for ``policy``."""
+        window = default_window(budget, make_policy(policy)) if self.window is None else self.window
         slack = default_slack(budget) if self.slack is None else self.slack
         return self.sinks + window + slack
 
@@ -99,7 +100,7 @@ def check_budget(name: str, budget: int, settings: CacheSettings) -> str | None:
     """Why ``budget`` cannot run for ``name`` (one line), or ``None`` when it can."""
     if not takes_budget(name):
         return None
-    floor = settings.sinks + 1 if name == "rotating" else settings.protected(budget) + 1
+    floor = settings.sinks + 1 if name == "rotating" else settings.protected(budget, split_storage(name)[0]) + 1
     if budget < floor:
         return (
             f"{name}: budget {budget} is below {floor} (sinks + window + slack + 1); "

@@ -27,7 +27,7 @@ from .policies import Policy, make_policy
 
 DEFAULT_BUDGET = 2048
 DEFAULT_SINKS = 4
-DEFAULT_WINDOW = 32  # at most; never more than budget // 8 unless asked
+DEFAULT_WINDOW = 32  # at most; never more than budget // 8 unless asked (or the policy says otherwise)
 DEFAULT_SLACK = 16  # at most; never more than budget // 16 unless asked
 GROW_STEP = 256
 PROMPT_PIN_SHARE = 0.75  # most of the evictable room a pinned prompt may take
@@ -35,7 +35,11 @@ PENDING_LIMIT = 64  # queued query tokens before statistics are folded in anyway
 PROMPT_MODES = ("evict", "compress")
 
 
-def default_window(budget: int) -> int:
+def default_window(budget: int, policy: Policy | None = None) -> int:
+    """Recent positions kept when no ``window`` is given: the policy's share of the budget, capped."""
+    if policy is not None and policy.recent_window is not None:
+        cap, divisor = policy.recent_window
+        return max(1, min(cap, budget // divisor))
     return max(1, min(DEFAULT_WINDOW, budget // 8))
 
 
@@ -83,7 +87,8 @@ class EvictingKVCache(_BaseCache):
             ``"random"``, ``"full"``, ``"default"``) or a :class:`Policy`.
         budget: most entries held (per layer and kv-head). Default 2048.
         sinks: first positions always kept (attention sinks). Default 4.
-        window: most recent positions always kept. Default ``min(32, budget // 8)``.
+        window: most recent positions always kept. Default ``min(32, budget // 8)``
+            (``anchored``, the default policy: ``min(64, budget // 4)``).
         slack: extra entries freed per eviction, so compaction runs once per
             ``slack + 1`` tokens. 0 evicts every step. Default ``min(16, budget // 16)``.
         prompt_mode: ``"evict"`` keeps the budget during prefill (memory stays
@@ -113,7 +118,7 @@ class EvictingKVCache(_BaseCache):
             raise ValueError(f"prompt_mode={prompt_mode!r}; choose one of {PROMPT_MODES}")
         self.pinned: list[tuple[int, int]] = [(int(a), int(b)) for a, b in pinned]
         check_budget(budget)
-        window = default_window(budget) if window is None else window
+        window = default_window(budget, self.policy) if window is None else window
         slack = default_slack(budget) if slack is None else slack
         validate_budget(budget, sinks, window, slack, self.pinned_tokens)
         self.budget, self.sinks, self.window, self.slack = budget, sinks, window, slack

@@ -42,7 +42,7 @@ def make_cache(
             it quantized (:class:`~mlxevict.quantized.QuantizedEvictingKVCache`).
         kv_group_size: values per quantization scale: 32, 64 (default) or 128.
         full_precision_window: with ``kv_bits``, the newest tokens kept in the
-            model's dtype. Default: ``window``.
+            model's dtype. Default: ``min(32, budget // 8)``.
 
     Returns:
         A list with one cache per layer.

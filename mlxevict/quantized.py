@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from .cache import DEFAULT_BUDGET, GROW_STEP, EvictingKVCache, fit_slots
+from .cache import DEFAULT_BUDGET, GROW_STEP, EvictingKVCache, default_window, fit_slots
 from .policies import Policy
 
 KV_BITS = (8, 4)
@@ -151,7 +151,8 @@ class QuantizedEvictingKVCache(EvictingKVCache):
         kv_group_size: values per scale and bias: 32, 64 or 128, dividing the
             head dim. Default 64 (mlx-lm's).
         full_precision_window: the newest tokens kept in the model's dtype
-            (never evicted while there). Default ``window``; 0 quantizes every
+            (never evicted while there). Default ``min(32, budget // 8)`` (the
+            cache's usual recent window, whatever the policy's); 0 quantizes every
             token at once, as mlx-lm's ``QuantizedKVCache`` does.
     """
 
@@ -167,7 +168,7 @@ class QuantizedEvictingKVCache(EvictingKVCache):
     ):
         check_storage(kv_bits, kv_group_size)
         super().__init__(policy, budget, **kwargs)
-        full = self.window if full_precision_window is None else full_precision_window
+        full = default_window(self.budget) if full_precision_window is None else full_precision_window
         if not isinstance(full, int) or isinstance(full, bool) or full < 0:
             raise ValueError(f"full_precision_window={full!r} must be a number of tokens >= 0")
         self.kv_bits, self.kv_group_size, self.full_precision_window = kv_bits, kv_group_size, full

@@ -249,3 +249,14 @@ def test_default_says_when_the_prompt_is_too_long_to_pin():
     with pytest.warns(UserWarning, match=r"prompt \(50 tokens\) .* not pinned"):
         model(random_tokens(50)[None], cache=caches)
     assert caches[0].pinned == []
+
+
+@pytest.mark.parametrize(("budget", "anchored", "others"), [(64, 16, 8), (128, 32, 16), (1024, 64, 32)])
+def test_default_keeps_a_quarter_of_the_budget_recent(budget, anchored, others):
+    model = tiny_model("llama", head_dim=32)
+    assert make_cache(model, "default", budget=budget)[0].window == anchored
+    assert make_cache(model, "snapkv", budget=budget)[0].window == others
+    assert make_cache(model, "default", budget=budget, window=5)[0].window == 5
+    # The full-precision window of quantized storage does not follow the policy's window.
+    quantized = make_cache(model, "default", budget=budget, kv_bits=8, kv_group_size=32)[0]
+    assert quantized.full_precision_window == others

@@ -54,7 +54,7 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         choices=KV_BITS,
         default=None,
-        help="store the kept KV entries in 8 or 4 bits (the newest --window tokens stay in full precision); "
+        help="store the kept KV entries in 8 or 4 bits (the newest --fp-window tokens stay in full precision); "
         "default: the model's dtype",
     )
     group.add_argument(
@@ -69,7 +69,7 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="with --kv-bits: the newest N tokens kept in full precision until they are folded in "
-        "(0 quantizes every token at once, as mlx-lm's --kv-bits does); default: --window",
+        "(0 quantizes every token at once, as mlx-lm's --kv-bits does); default: min(32, budget/8)",
     )
 
 

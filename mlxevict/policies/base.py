@@ -26,6 +26,8 @@ class Policy:
         query_window: how many recent queries the cache keeps for :meth:`score`.
         uses_prediction_entropy: the generation side feeds ``H(p_t)`` each step.
         pins_prompt: the first model call's tokens (the prompt) are never evicted.
+        recent_window: ``(cap, divisor)``: without an explicit ``window`` the cache keeps the
+            ``min(cap, budget // divisor)`` newest tokens; ``None``: the cache's default.
     """
 
     name: ClassVar[str] = ""
@@ -35,6 +37,7 @@ class Policy:
     query_window: ClassVar[int] = 0
     uses_prediction_entropy: ClassVar[bool] = False
     pins_prompt: ClassVar[bool] = False
+    recent_window: ClassVar[tuple[int, int] | None] = None
 
     def score(self, cache: "EvictingKVCache") -> mx.array:
         """Importance of each slot, ``(B, H, C)`` float32; higher is kept."""
