@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from typing import Callable, Sequence
@@ -59,6 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`mlxevict generate ... | head`): stop quietly, as Unix tools do;
+        # stdout goes to devnull so the interpreter's final flush cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
     except (MlxEvictError, FileNotFoundError, NotADirectoryError) as err:
         if args.debug:
             traceback.print_exc()

@@ -342,6 +342,18 @@ def test_ctrl_c_keeps_the_text_and_exits_130(tmp_path):
     assert last == "interrupted" or last.endswith("| interrupted]")
 
 
+def test_closed_pipe_stops_quietly(tmp_path):
+    """`mlxevict generate ... | head -c 20`: the reader leaves, no traceback, exit 141."""
+    model = build_tiny_model(tmp_path / "long", max_position_embeddings=1_000_000)
+    command = [sys.executable, "-m", "mlxevict.cli", "generate", str(model), "-p", "go", "--max-tokens", "100000"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=process_env())
+    first = proc.stdout.read(20)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and len(first) == 20
+    assert "Traceback" not in err and "BrokenPipe" not in err
+
+
 def test_preload_env():
     assert preload_env({"LD_PRELOAD": "/x.so"}) is None
     assert preload_env({REEXEC_GUARD: "1"}) is None
