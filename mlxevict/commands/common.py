@@ -44,7 +44,8 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
         f"default {DEFAULT_BUDGET}, at most the model's context",
     )
     group.add_argument(
-        "--window", type=int, default=None, help=f"recent tokens always kept (default: min({DEFAULT_WINDOW}, budget/8))"
+        "--window", type=int, default=None, help=f"recent tokens always kept (default: min({DEFAULT_WINDOW}, budget/8); "
+        "for the default policy min(64, budget/4))"
     )
     group.add_argument(
         "--sinks", type=int, default=DEFAULT_SINKS, help="first tokens always kept (default %(default)s)"
