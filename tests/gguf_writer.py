@@ -104,3 +104,28 @@ def byte_level_vocab() -> list[str]:
             symbols[b] = chr(256 + extra)
             extra += 1
     return [symbols[b] for b in range(256)] + ["<|im_start|>", "<|im_end|>"]
+
+
+def small_model_metadata(
+    arch: str, *, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, rope_base: float, chat_template: str
+) -> dict[str, Any]:
+    """GGUF metadata of a small llama/qwen2 model with :func:`byte_level_vocab` (BOS 256, EOS 257)."""
+    return {
+        "general.architecture": arch,
+        f"{arch}.block_count": layers,
+        f"{arch}.context_length": 512,
+        f"{arch}.embedding_length": hidden,
+        f"{arch}.feed_forward_length": ffn,
+        f"{arch}.attention.head_count": heads,
+        f"{arch}.attention.head_count_kv": kv_heads,
+        f"{arch}.rope.freq_base": rope_base,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "llama-bpe" if arch == "llama" else "qwen2",
+        "tokenizer.ggml.tokens": byte_level_vocab(),
+        "tokenizer.ggml.token_type": [1] * 256 + [3, 3],
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.bos_token_id": 256,
+        "tokenizer.ggml.eos_token_id": 257,
+        "tokenizer.chat_template": chat_template,
+    }

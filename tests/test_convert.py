@@ -20,7 +20,7 @@ from mlx_lm.models import llama, qwen2
 from mlx_lm.models.rope_utils import Llama3RoPE
 from mlx_lm.utils import load_tokenizer
 
-from gguf_writer import byte_level_vocab, dequantize_reference, f32, random_blocks, write_gguf
+from gguf_writer import byte_level_vocab, dequantize_reference, f32, random_blocks, small_model_metadata, write_gguf
 from mlxevict.cli import main
 from mlxevict.convert import convert as convert_module
 from mlxevict.convert import convert_gguf
@@ -116,26 +116,9 @@ def _gguf_from_model(path: Path, model, arch: str, rope_scaling: dict | None = N
         # llama.cpp stores llama3 scaling only as per-frequency wavelength factors.
         rope = model.model.layers[0].self_attn.rope
         tensors["rope_freqs.weight"] = f32(np.array(rope._freqs) / ROPE_BASE ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))
-    vocab = byte_level_vocab()
-    metadata = {
-        "general.architecture": arch,
-        f"{arch}.block_count": LAYERS,
-        f"{arch}.context_length": 512,
-        f"{arch}.embedding_length": HIDDEN,
-        f"{arch}.feed_forward_length": FFN,
-        f"{arch}.attention.head_count": HEADS,
-        f"{arch}.attention.head_count_kv": KV_HEADS,
-        f"{arch}.rope.freq_base": ROPE_BASE,
-        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "llama-bpe" if arch == "llama" else "qwen2",
-        "tokenizer.ggml.tokens": vocab,
-        "tokenizer.ggml.token_type": [1] * 256 + [3, 3],
-        "tokenizer.ggml.merges": [],
-        "tokenizer.ggml.bos_token_id": 256,
-        "tokenizer.ggml.eos_token_id": 257,
-        "tokenizer.chat_template": CHATML,
-    }
+    metadata = small_model_metadata(
+        arch, layers=LAYERS, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS, rope_base=ROPE_BASE, chat_template=CHATML
+    )
     return write_gguf(path, metadata, tensors)
 
 

@@ -146,7 +146,7 @@ def write_hub_repo(hub: Path, repo: str, folder: Path, revision: str | None = No
 def write_tiny_gguf(path: Path, *, layers: int = 1, hidden: int = 32, heads: int = 2, kv_heads: int = 1) -> Path:
     """A tiny llama GGUF (float32, random weights, byte-level vocab) as llama.cpp lays it out."""
     import numpy as np
-    from gguf_writer import byte_level_vocab, f32, write_gguf
+    from gguf_writer import byte_level_vocab, f32, small_model_metadata, write_gguf
 
     rng = np.random.default_rng(0)
     vocab = byte_level_vocab()
@@ -169,23 +169,7 @@ def write_tiny_gguf(path: Path, *, layers: int = 1, hidden: int = 32, heads: int
             f"blk.{i}.ffn_up.weight": w(ffn, hidden),
             f"blk.{i}.ffn_down.weight": w(hidden, ffn),
         }
-    metadata = {
-        "general.architecture": "llama",
-        "llama.block_count": layers,
-        "llama.context_length": 512,
-        "llama.embedding_length": hidden,
-        "llama.feed_forward_length": ffn,
-        "llama.attention.head_count": heads,
-        "llama.attention.head_count_kv": kv_heads,
-        "llama.rope.freq_base": 10000.0,
-        "llama.attention.layer_norm_rms_epsilon": 1e-5,
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "llama-bpe",
-        "tokenizer.ggml.tokens": vocab,
-        "tokenizer.ggml.token_type": [1] * 256 + [3, 3],
-        "tokenizer.ggml.merges": [],
-        "tokenizer.ggml.bos_token_id": 256,
-        "tokenizer.ggml.eos_token_id": 257,
-        "tokenizer.chat_template": CHATML,
-    }
+    metadata = small_model_metadata(
+        "llama", layers=layers, hidden=hidden, ffn=ffn, heads=heads, kv_heads=kv_heads, rope_base=10000.0, chat_template=CHATML
+    )
     return write_gguf(Path(path), metadata, tensors)
