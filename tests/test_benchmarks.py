@@ -19,7 +19,7 @@ from tiny_models import tiny_model
 import mlxevict
 from mlxevict.benchmarks import caches as bcaches
 from mlxevict.benchmarks import cli as bcli
-from mlxevict.benchmarks import quality, report, speed, tasks
+from mlxevict.benchmarks import quality, report, speed, tasks, variants
 
 TOK = tasks.ByteTokenizer()
 EVAL_KEYS = (
@@ -213,3 +213,11 @@ def test_quick_eval_and_bench_on_the_real_model(smollm_path, tmp_path, capsys):
     bench = json.loads((tmp_path / "bench.json").read_text())
     assert {r["cache"] for r in bench["decode"]} == {"kvcache", "default", "rotating"}
     assert (tmp_path / "eval.png").stat().st_size > 0 and (tmp_path / "memory.png").stat().st_size > 0
+
+
+def test_variant_specs_build_the_policy_with_its_arguments(model):
+    settings = bcaches.CacheSettings()
+    tuned = variants.make_variant(model, 'default|{"observation_window": 8, "kernel": 3}', 64, settings)
+    assert (tuned[0].policy.query_window, tuned[0].policy.kernel) == (8, 3)
+    assert variants.make_variant(model, "default", 64, settings)[0].policy.query_window == 32
+    assert type(variants.make_variant(model, "rotating", 64, settings)[0]).__name__ == "RotatingKVCache"
