@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import traceback
+import warnings
 from typing import Callable, Sequence
 
 from . import __version__
@@ -46,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one line for people (the library's source location means nothing to them)."""
+    print(f"mlxevict: warning: {message}", file=file or sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:
         # Only the real command re-executes (tests call main with a list).
@@ -56,7 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

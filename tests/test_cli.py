@@ -114,6 +114,14 @@ def test_generate_streams_text_and_ends_with_stats(capsys, tiny):
     assert int(kept) <= int(capacity) == 64 and int(evicted) == int(prompt) + 100 - int(kept) > 0
 
 
+def test_warnings_are_one_line_for_people(capsys, tiny):
+    long_prompt = "Count the apples and the pears. " * 20  # longer than the default can pin at 64
+    rc, _, err = cli(capsys, "generate", tiny, "-p", long_prompt, "--budget", "64", "--max-tokens", "4")
+    assert rc == 0
+    assert "mlxevict: warning: the prompt" in err and "not pinned" in err
+    assert "UserWarning" not in err and ".py:" not in err
+
+
 def test_generate_json(capsys, tiny):
     rc, out, err = cli(
         capsys, "generate", tiny, "-p", PROMPT, "--budget", "64", "--max-tokens", "30", "--json", "--temp", "0"
