@@ -127,7 +127,9 @@ def test_generate_json(capsys, tiny):
         capsys, "generate", tiny, "-p", PROMPT, "--budget", "64", "--max-tokens", "30", "--json", "--temp", "0"
     )
     result = json.loads(out)
-    assert rc == 0 and err == "" and out.count("\n") == 1
+    assert rc == 0 and out.count("\n") == 1
+    # Nothing but warnings on stderr (here: the 48-token prompt is too long to pin at budget 64).
+    assert all(line.startswith("mlxevict: warning: ") for line in err.splitlines())
     assert result["finish_reason"] == "length" and result["generated_tokens"] == 30 and result["answer"]
     assert result["cache"]["kept"] <= result["cache"]["capacity"] == result["budget"] == 64
     assert result["cache"]["tokens_seen"] == result["prompt_tokens"] + 30
