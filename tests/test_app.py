@@ -335,19 +335,24 @@ async def test_memory_guard_stop_is_shown_in_the_conversation():
         assert last_turn(app).reasoning_text == REASONING
 
 
+async def apply_settings(pilot, app, session, policy: str, budget: int) -> None:
+    """Open the settings dialog (Ctrl-O), set policy and budget, confirm, wait for the session."""
+    await pilot.press("ctrl+o")
+    await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen), timeout=5)
+    app.screen.query_one("#policy").value = policy
+    field = app.screen.query_one("#budget", Input)
+    field.value = str(budget)
+    field.focus()
+    await pilot.press("enter")
+    await wait_until(pilot, lambda: session.budget == budget)
+
+
 @pilot_test
 async def test_settings_dialog_changes_policy_and_budget():
     session = ScriptedSession(think_script())
     app = scripted_app(session)
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.press("ctrl+o")
-        await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen), timeout=5)
-        app.screen.query_one("#policy").value = "window"
-        budget = app.screen.query_one("#budget", Input)
-        budget.value = "512"
-        budget.focus()
-        await pilot.press("enter")
-        await wait_until(pilot, lambda: session.budget == 512)
+        await apply_settings(pilot, app, session, "window", 512)
         assert (session.policy, session.budget) == ("window", 512)
         assert app.settings == ("window", 512)
         assert "window · budget 512" in str(app.query_one("#kv-policy", Static).render())
@@ -368,14 +373,7 @@ async def test_settings_dialog_keeps_quantized_storage_and_the_panel_says_so(tin
     session = ChatSession(model, tokenizer, policy="window", budget=64, max_tokens=8, temp=0.0, **storage)
     app = scripted_app(session)
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.press("ctrl+o")
-        await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen), timeout=5)
-        app.screen.query_one("#policy").value = "h2o"
-        budget = app.screen.query_one("#budget", Input)
-        budget.value = "96"
-        budget.focus()
-        await pilot.press("enter")
-        await wait_until(pilot, lambda: session.budget == 96)
+        await apply_settings(pilot, app, session, "h2o", 96)
         cache = session.caches[0]
         assert (session.policy, cache.kv_bits, cache.kv_group_size, cache.full_precision_window) == ("h2o", 8, 32, 12)
         await ask(pilot, "hi")
