@@ -146,6 +146,11 @@ def answer_correct(task: RetrievalTask, predicted: list[int]) -> list[bool]:
     return [all(predicted[p - 1] == tokens[p] for p in span) for span in task.answer_positions()]
 
 
+def retained_answers(correct: list[list[bool]], solved: list[list[bool]]) -> list[bool]:
+    """Per answer the full cache got right (``solved``, per task and answer): still right here?"""
+    return [ok for task_ok, task_ref in zip(correct, solved) for ok, r in zip(task_ok, task_ref) if r]
+
+
 def divergence(reference: list[int], trace: list[int]) -> int:
     """Tokens ``trace`` shares with ``reference`` before the first difference."""
     for i, (a, b) in enumerate(zip(reference, trace)):
@@ -256,7 +261,7 @@ def measure(
     if ref is None:
         ref = Reference(correct, logprobs, traces)
         top1, kl = 1.0, 0.0
-    solved = [ok for task_ok, task_ref in zip(correct, ref.solved) for ok, r in zip(task_ok, task_ref) if r]
+    solved = retained_answers(correct, ref.solved)
     ref_lengths = [trace_length(t, work.eos) for t in ref.traces]
     agreed = [divergence(r[:n], t) for r, t, n in zip(ref.traces, traces, ref_lengths)]
     lengths = [trace_length(t, work.eos) for t in traces]

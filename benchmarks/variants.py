@@ -26,7 +26,7 @@ import mlxevict
 from mlxevict.demo_model import demo_model_path
 
 from .caches import CacheSettings, make_caches
-from .quality import EvalConfig, Workload, answer_correct, build_workload, teacher_force
+from .quality import EvalConfig, Workload, answer_correct, build_workload, retained_answers, teacher_force
 
 
 def make_variant(model: nn.Module, spec: str, budget: int, settings: CacheSettings) -> list[Any]:
@@ -37,9 +37,9 @@ def make_variant(model: nn.Module, spec: str, budget: int, settings: CacheSettin
     return mlxevict.make_cache(model, name, budget, **json.loads(kwargs))
 
 
-def solved_answers(work: Workload, predicted: list[list[int]]) -> list[bool]:
-    """Per retrieval answer, in task order: did the greedy prediction match it?"""
-    return [ok for task, rows in zip(work.retrieval, predicted) for ok in answer_correct(task, rows)]
+def correct_answers(work: Workload, predicted: list[list[int]]) -> list[list[bool]]:
+    """Per retrieval task, per answer: did the greedy prediction match it?"""
+    return [answer_correct(task, rows) for task, rows in zip(work.retrieval, predicted)]
 
 
 def main() -> None:
@@ -62,13 +62,13 @@ def main() -> None:
     with mlxevict.patched(model):
         full = make_caches(model, "kvcache", None, config.settings)
         predicted, reference, _, _ = teacher_force(model, full, work, config.step, None)
-        solvable = solved_answers(work, predicted)
+        solved = correct_answers(work, predicted)
         for spec in args.specs:
             for budget in (int(b) for b in args.budgets.split(",")):
                 start = time.perf_counter()
                 caches = make_variant(model, spec, budget, config.settings)
                 predicted, _, top1, kl = teacher_force(model, caches, work, config.step, reference)
-                kept = [ok for ok, s in zip(solved_answers(work, predicted), solvable) if s]
+                kept = retained_answers(correct_answers(work, predicted), solved)
                 seconds = time.perf_counter() - start
                 print(f"| {spec} | {budget} | {sum(kept)}/{len(kept)} | {top1:.3f} | {kl:.4f} | {seconds:.0f} |")
 
