@@ -8,7 +8,8 @@ mlx-lm's baselines go by these names:
   ``--kv-bits``; they keep every token, so they take no budget.
 
 Everything else is an mlxevict policy name (``mlxevict.policy_names()``); a policy name
-with ``:q8`` or ``:q4`` (``default:q8``) stores what it keeps in 8 or 4 bits
+with ``:q8`` or ``:q4`` (``default:q8``) stores what it keeps in 8 or 4 bits; ``:q4w8`` stores
+it in 4 bits with the recent window in 8 bits instead of full precision
 (``make_cache(..., kv_bits=8)``, group size 64, full-precision window min(32, budget // 8)).
 """
 
@@ -59,8 +60,8 @@ def default_names(storage: bool = False) -> list[str]:
     """What a run compares unless told otherwise: all, except ``default`` (an alias).
 
     Args:
-        storage: also the default policy stored in 8 and 4 bits (``anchored:q8``,
-            ``anchored:q4``), by its own name so it shares a family with its row.
+        storage: also the default policy in each storage mode (``anchored:q8``,
+            ``anchored:q4``, ``anchored:q4w8``), by its own name so it shares a family with its row.
     """
     names = [n for n in cache_names() if n != "default"]
     if storage:
@@ -87,7 +88,7 @@ def parse_names(text: str | None, storage: bool = False) -> list[str]:
     if unknown:
         raise ValueError(
             f"unknown cache or policy {', '.join(unknown)}; choose from: {', '.join(cache_names())} "
-            "(a policy with :q8 or :q4 stores its KV in 8 or 4 bits)"
+            "(a policy with :q8 or :q4 stores its KV in 8 or 4 bits, :q4w8 in 4 bits with an 8-bit recent window)"
         )
     return [REFERENCE, *[n for n in dict.fromkeys(names) if n != REFERENCE]]
 
@@ -134,8 +135,9 @@ def make_caches(model: nn.Module, name: str, budget: int | None, settings: Cache
         return [QuantizedKVCache(group_size=QUANT_GROUP, bits=bits) for _ in range(layers)]
     # "full" never evicts: its budget is never reached, any valid number will do.
     size = budget if takes_budget(name) else DEFAULT_BUDGET
-    policy, bits = split_storage(name)
-    storage = {"kv_bits": bits, "kv_group_size": QUANT_GROUP} if bits else {}
+    policy, storage = split_storage(name)
+    if storage:
+        storage["kv_group_size"] = QUANT_GROUP
     return mlxevict.make_cache(
         model, policy, size, sinks=settings.sinks, window=settings.window, slack=settings.slack, **storage
     )
@@ -169,21 +171,21 @@ def kv_bytes_16bit(caches: Sequence[Any]) -> int:
     return total
 
 
-# ---- storage modes: "<policy>:q8" / "<policy>:q4" ------------------------------------------
-STORAGE_SUFFIXES = {":q8": 8, ":q4": 4}
+# ---- storage modes: "<policy>:q8" / "<policy>:q4" / "<policy>:q4w8" -----------------------
+STORAGE_SUFFIXES = {":q8": {"kv_bits": 8}, ":q4": {"kv_bits": 4}, ":q4w8": {"kv_bits": 4, "window_bits": 8}}
 
 
-def split_storage(name: str) -> tuple[str, int | None]:
-    """``"default:q8"`` → ``("default", 8)``; any other name → ``(name, None)``."""
-    for suffix, bits in STORAGE_SUFFIXES.items():
+def split_storage(name: str) -> tuple[str, dict[str, int]]:
+    """``"default:q4w8"`` → ``("default", {"kv_bits": 4, "window_bits": 8})``; other names → ``(name, {})``."""
+    for suffix, storage in STORAGE_SUFFIXES.items():
         if name.endswith(suffix):
-            return name[: -len(suffix)], bits
-    return name, None
+            return name[: -len(suffix)], dict(storage)
+    return name, {}
 
 
 def _known(name: str) -> bool:
-    base, bits = split_storage(name)
-    return base in cache_names() and not (bits and base in MLX_LM_CACHES)
+    base, storage = split_storage(name)
+    return base in cache_names() and not (storage and base in MLX_LM_CACHES)
 
 
 def layer_kv_bytes_per_token(model: nn.Module, dtype_size: int) -> int:

@@ -86,7 +86,7 @@ def speed_ratios(decode: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_name = {r["cache"]: r for r in decode}
     out = []
     for r in decode:
-        _, bits = split_storage(r["cache"])
+        bits = split_storage(r["cache"])[1].get("kv_bits")
         base = by_name.get(f"quantized{bits}") if bits else None
         if base is None:
             continue
@@ -172,7 +172,8 @@ def markdown(results: dict[str, Any]) -> str:
                 "tokens. KV bytes relative to a 16-bit full `KVCache` holding the whole context (floats counted "
                 "at 2 bytes; the run itself uses float32 weights); mlx-lm's caches are counted by the entries they "
                 "hold, mlxevict's by their fixed allocation (the budget). mlxevict's `:q8`/`:q4` keep the newest "
-                "`window` tokens (min(32, budget/8)) in full precision; the `+ positions, stats` column adds "
+                "`window` tokens (min(32, budget/8)) in full precision, `:q4w8` in 8 bits; 4-bit storage is "
+                "rotated (`mlxevict.quantized.rotation_matrix`); the `+ positions, stats` column adds "
                 f"mlxevict's 8 bytes per slot and kv-head of bookkeeping. `default` is `{q['default_policy']}`.",
                 table(headers, body),
                 f"## Target: retrieval >= {t['reference']}'s ({_num(t['reference_retrieval'], '.2f')}), "
@@ -251,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kv_bits", description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", default=None, help="an MLX model (default: the offline demo model)")
     p.add_argument("--out", type=Path, default=Path("docs/results/kv_bits"))
-    p.add_argument("--names", default=",".join(DEFAULT_NAMES), help="caches and policies (NAME:q8/:q4 quantize)")
+    p.add_argument(
+        "--names", default=",".join(DEFAULT_NAMES), help="caches and policies (NAME:q8/:q4/:q4w8 quantize)"
+    )
     p.add_argument("--budgets", default=",".join(map(str, DEFAULT_FRACTIONS)), help="fractions of the context")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--retrieval", type=int, default=8, help="retrieval instances (default 8)")

@@ -84,7 +84,8 @@ def eval_markdown(results: dict[str, Any]) -> str:
         "`mlxevict bench` measures speed properly. KV / 16-bit full: KV bytes relative to a 16-bit full "
         "`KVCache` holding the whole context, as a 16-bit model holds them (floats at 2 bytes, packed words as "
         "they are; mlx-lm's caches by the entries they hold, mlxevict's by their fixed allocation); "
-        "`NAME:q8`/`:q4` store what they keep in 8/4 bits.",
+        "`NAME:q8`/`:q4` store what they keep in 8/4 bits (4 bits rotated, see `mlxevict.quantized`); "
+        "`:q4w8` keeps the recent window in 8 bits instead of full precision.",
     ]
     skipped = "".join(f"\n- skipped {s['cache']} @ {s['budget_fraction']:g}: {s['reason']}" for s in results["skipped"])
     return table(head, body) + "\n\n" + " ".join(notes) + skipped + "\n"

@@ -25,7 +25,7 @@ from mlx_lm import load
 import mlxevict
 from mlxevict.demo_model import demo_model_path
 
-from .caches import CacheSettings, make_caches
+from .caches import CacheSettings, kv_bytes_16bit, make_caches
 from .quality import EvalConfig, Workload, answer_correct, build_workload, retained_answers, teacher_force
 
 
@@ -57,12 +57,16 @@ def main() -> None:
         names=("kvcache",), context=args.context, fidelity=args.fidelity, retrieval=args.retrieval, seed=args.seed
     )
     work = build_workload(tokenizer, config)
-    print(f"| spec | budget | retrieval | top-1 | KL (nats) | seconds |  (seed {args.seed}, context {args.context})")
-    print("|---|---|---|---|---|---|")
+    print(
+        f"| spec | budget | retrieval | top-1 | KL (nats) | KV / 16-bit full | seconds |"
+        f"  (seed {args.seed}, context {args.context})"
+    )
+    print("|---|---|---|---|---|---|---|")
     with mlxevict.patched(model):
         full = make_caches(model, "kvcache", None, config.settings)
         predicted, reference, _, _ = teacher_force(model, full, work, config.step, None)
         solved = correct_answers(work, predicted)
+        full_bytes = kv_bytes_16bit(full)
         for spec in args.specs:
             for budget in (int(b) for b in args.budgets.split(",")):
                 start = time.perf_counter()
@@ -70,7 +74,12 @@ def main() -> None:
                 predicted, _, top1, kl = teacher_force(model, caches, work, config.step, reference)
                 kept = retained_answers(correct_answers(work, predicted), solved)
                 seconds = time.perf_counter() - start
-                print(f"| {spec} | {budget} | {sum(kept)}/{len(kept)} | {top1:.3f} | {kl:.4f} | {seconds:.0f} |")
+                relative = kv_bytes_16bit(caches) / full_bytes
+                print(
+                    f"| {spec} | {budget} | {sum(kept)}/{len(kept)} | {top1:.3f} | {kl:.4f} | {relative:.3f} "
+                    f"| {seconds:.0f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

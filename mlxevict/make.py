@@ -24,6 +24,8 @@ def make_cache(
     kv_bits: int | None = None,
     kv_group_size: int = DEFAULT_GROUP_SIZE,
     full_precision_window: int | None = None,
+    kv_rotate: bool | None = None,
+    window_bits: int | None = None,
     **policy_kwargs: Any,
 ) -> list[EvictingKVCache]:
     """Patch ``model`` and build one :class:`EvictingKVCache` per layer.
@@ -43,6 +45,11 @@ def make_cache(
         kv_group_size: values per quantization scale: 32, 64 (default) or 128.
         full_precision_window: with ``kv_bits``, the newest tokens kept in the
             model's dtype. Default: ``min(32, budget // 8)``.
+        kv_rotate: with ``kv_bits``, store keys and values rotated by a fixed
+            orthogonal matrix (exact in attention, much smaller 4-bit error).
+            Default ``None``: at 4 bits only.
+        window_bits: with ``kv_bits=4``, 8 stores the recent window in 8 bits
+            instead of the model's dtype. Default ``None``.
 
     Returns:
         A list with one cache per layer.
@@ -53,10 +60,18 @@ def make_cache(
     """
     options: dict[str, Any] = dict(sinks=sinks, window=window, slack=slack, prompt_mode=prompt_mode, pinned=pinned)
     cls = EvictingKVCache
+    if window_bits is not None and kv_bits is None:
+        raise ValueError(f"window_bits={window_bits} needs kv_bits=4: it is the recent window's storage under 4 bits")
     if kv_bits is not None:
-        check_storage(kv_bits, kv_group_size, (model_head_dim(model),))
+        check_storage(kv_bits, kv_group_size, (model_head_dim(model),), window_bits)
         cls = QuantizedEvictingKVCache
-        options.update(kv_bits=kv_bits, kv_group_size=kv_group_size, full_precision_window=full_precision_window)
+        options.update(
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            full_precision_window=full_precision_window,
+            kv_rotate=kv_rotate,
+            window_bits=window_bits,
+        )
     caches = [cls(policy, budget, **options, **policy_kwargs) for _ in model.layers]
     patch(model)
     return caches

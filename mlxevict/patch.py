@@ -57,7 +57,15 @@ def _evicting_sdpa(original):
             if sinks is not None:
                 raise ValueError("quantized KV storage does not support attention sinks; use kv_bits=None")
             output = quantized_attention(
-                queries, keys, values, scale, mask, group_size=cache.kv_group_size, bits=cache.kv_bits
+                queries,
+                keys,
+                values,
+                scale,
+                mask,
+                group_size=cache.kv_group_size,
+                bits=cache.kv_bits,
+                rotation=cache.rotation,
+                window_bits=cache.window_bits,
             )
         else:
             output = original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

@@ -23,7 +23,9 @@ class CacheStats:
         nbytes: KV bytes allocated now, all layers.
         full_nbytes: KV bytes a full ``KVCache`` would hold for ``tokens_seen``.
         kv_bits: storage bits (``None``: the model's dtype).
-        full_precision_window: with ``kv_bits``, the newest tokens kept in the model's dtype.
+        full_precision_window: with ``kv_bits``, the newest tokens kept in the model's dtype
+            (or in ``window_bits``).
+        window_bits: 8 when that window is stored in 8 bits, else ``None``.
     """
 
     policy: str
@@ -37,6 +39,7 @@ class CacheStats:
     full_nbytes: int
     kv_bits: int | None = None
     full_precision_window: int | None = None
+    window_bits: int | None = None
 
     @property
     def saved_nbytes(self) -> int:
@@ -47,9 +50,11 @@ def bytes_per_token(cache: EvictingKVCache) -> int:
     """KV bytes one token costs a full cache in one layer (keys + values, all kv-heads, model dtype)."""
     if cache.keys is None:
         return 0
-    keys, values = (cache.fp_keys, cache.fp_values) if cache.kv_bits else (cache.keys, cache.values)
-    B, H, _, D = keys.shape
-    return B * H * (D + values.shape[3]) * keys.dtype.size
+    if cache.kv_bits:
+        B, H, D, Dv, dtype = cache.dense_shape
+        return B * H * (D + Dv) * dtype.size
+    B, H, _, D = cache.keys.shape
+    return B * H * (D + cache.values.shape[3]) * cache.keys.dtype.size
 
 
 def cache_stats(caches: Sequence[EvictingKVCache]) -> CacheStats:
@@ -71,4 +76,5 @@ def cache_stats(caches: Sequence[EvictingKVCache]) -> CacheStats:
         full_nbytes=sum(c.offset * bytes_per_token(c) for c in evicting),
         kv_bits=first.kv_bits,
         full_precision_window=first.full_precision_window if first.kv_bits else None,
+        window_bits=first.window_bits if first.kv_bits else None,
     )

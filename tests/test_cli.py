@@ -435,6 +435,8 @@ def test_kv_bits_memory_budget_buys_more_tokens(capsys, tiny32):
         (("--kv-bits", "8"), "kv_group_size=64 does not divide the head dim 16; store this model's KV unquantized"),
         (("--fp-window", "16"), "--fp-window 16 needs --kv-bits 8 or 4"),
         (("--kv-bits", "8", "--fp-window", "-1"), "--fp-window -1 must be a number of tokens >= 0"),
+        (("--window-bits", "8"), "--window-bits 8 needs --kv-bits 8 or 4"),
+        (("--kv-bits", "8", "--window-bits", "8"), "--window-bits 8 needs --kv-bits 4"),
     ],
 )
 def test_bad_kv_bits_options_are_one_error_line(capsys, tiny, extra, expected):
@@ -459,10 +461,19 @@ def test_fp_window_sets_the_full_precision_window(capsys, tiny32):
     one_error_line(err, "full_precision_window=60 leaves no room to evict at budget=64")
 
 
+def test_window_bits_stores_the_recent_window_in_8_bits(capsys, tiny32):
+    args = ("generate", tiny32, "-p", PROMPT, "--budget", "64", "--max-tokens", "40", "--temp", "0", "--json")
+    quantized = (*args, "--kv-bits", "4", "--kv-group-size", "32", "--fp-window", "16")
+    full = json.loads(cli(capsys, *quantized)[1])["cache"]
+    eight = json.loads(cli(capsys, *quantized, "--window-bits", "8")[1])["cache"]
+    assert (full["window_bits"], eight["window_bits"]) == (None, 8)
+    assert eight["nbytes"] < full["nbytes"] and eight["evicted"] > 0
+
+
 def test_chat_takes_fp_window(capsys, tiny32):
     options = ("--budget", "64", "--max-tokens", "4", "--kv-bits", "4", "--kv-group-size", "32", "--fp-window", "12")
     rc, _, err = cli(capsys, "chat", tiny32, "--plain", *options, stdin="hi\n/stats\n")
-    assert rc == 0 and "kv_bits=4, full_precision_window=12)" in err
+    assert rc == 0 and "kv_bits=4, full_precision_window=12, window_bits=None)" in err
 
 
 def test_kv_bits_outside_8_and_4_is_refused_by_the_parser(capsys, tiny):

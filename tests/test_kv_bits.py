@@ -24,12 +24,13 @@ def model():
 
 
 def test_storage_suffix_names():
-    assert bcaches.split_storage("default:q8") == ("default", 8)
-    assert bcaches.split_storage("rkv:q4") == ("rkv", 4) and bcaches.split_storage("rkv") == ("rkv", None)
+    assert bcaches.split_storage("default:q8") == ("default", {"kv_bits": 8})
+    assert bcaches.split_storage("rkv:q4") == ("rkv", {"kv_bits": 4}) and bcaches.split_storage("rkv") == ("rkv", {})
+    assert bcaches.split_storage("rkv:q4w8") == ("rkv", {"kv_bits": 4, "window_bits": 8})
     assert bcaches.parse_names("default:q8,rkv:q4") == ["kvcache", "default:q8", "rkv:q4"]
     assert bcaches.takes_budget("h2o:q8") and not bcaches.takes_budget("full:q4")
     for bad in ("quantized8:q8", "rotating:q4", "nope:q8", "default:q3"):
-        with pytest.raises(ValueError, match="a policy with :q8 or :q4"):
+        with pytest.raises(ValueError, match="a policy with :q8 or :q4 stores"):
             bcaches.parse_names(bad)
 
 

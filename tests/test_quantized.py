@@ -11,7 +11,7 @@ from tiny_models import random_tokens, run_chunks, tiny_model
 
 import mlxevict
 from mlxevict import QuantizedEvictingKVCache, make_cache, policy_names
-from mlxevict.quantized import quantized_attention
+from mlxevict.quantized import quantized_attention, rotation_matrix
 
 EVICTING = [p for p in policy_names() if p != "full"]
 GROUP = 32  # tiny models have head_dim 32 here: mx.quantize's smallest group
@@ -33,7 +33,14 @@ def test_equal_to_mlx_lm_quantized_cache_when_nothing_is_evicted(arch, bits):
     chunks = [20, 7, 1, 1, 1, 1, 17]
     theirs = run_chunks(model, [QuantizedKVCache(GROUP, bits) for _ in model.layers], tokens, chunks)
     caches = make_cache(
-        model, "default", budget=64, window=8, kv_bits=bits, kv_group_size=GROUP, full_precision_window=0
+        model,
+        "default",
+        budget=64,
+        window=8,
+        kv_bits=bits,
+        kv_group_size=GROUP,
+        full_precision_window=0,
+        kv_rotate=False,
     )
     ours = run_chunks(model, caches, tokens, chunks)
     assert mx.array_equal(ours, theirs).item()
@@ -48,6 +55,24 @@ def test_full_precision_window_holding_every_token_equals_kvcache():
     full = run_chunks(model, [KVCache() for _ in model.layers], tokens, chunks)
     caches = make_cache(model, "rkv", budget=64, kv_bits=4, kv_group_size=GROUP, full_precision_window=40)
     assert mx.allclose(run_chunks(model, caches, tokens, chunks), full, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_8bit_window_holding_every_token_equals_mlx_lm_8bit_cache(arch):
+    """The recent window in 8 bits is stored and attended exactly as mlx-lm's 8-bit cache does."""
+    model = small_model(arch)
+    tokens = random_tokens(40)
+    chunks = [20, 7, 1, 1, 11]
+    theirs = run_chunks(model, [QuantizedKVCache(GROUP, 8) for _ in model.layers], tokens, chunks)
+    caches = make_cache(
+        model, "rkv", budget=64, kv_bits=4, kv_group_size=GROUP, full_precision_window=40, window_bits=8,
+        kv_rotate=False,
+    )
+    ours = run_chunks(model, caches, tokens, chunks)
+    assert mx.allclose(ours, theirs, atol=1e-5).item()
+    exact = run_chunks(model, [KVCache() for _ in model.layers], tokens, chunks)
+    assert not mx.allclose(ours, exact, atol=1e-5).item()  # the window really is 8-bit
+    assert caches[0].n_full == 40 and caches[0].size() == 40
 
 
 @pytest.mark.parametrize("mask", [None, "causal", "array"])
@@ -66,6 +91,53 @@ def test_quantized_attention_equals_attention_over_dequantized_entries(mask):
     values = mx.concatenate([mx.dequantize(*q_values, group_size=GROUP, bits=bits), f_values], axis=2)
     expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=mask)
     assert mx.allclose(got, expected, atol=1e-4).item()
+
+
+@pytest.mark.parametrize("dim", [32, 64, 128, 80, 96])
+def test_rotation_matrix_is_orthogonal_and_fixed(dim):
+    r = rotation_matrix(dim)
+    assert mx.allclose(r @ r.T, mx.eye(dim), atol=1e-5).item()
+    rotation_matrix.cache_clear()
+    assert mx.array_equal(rotation_matrix(dim), r).item()  # a reloaded cache gets the same matrix
+    assert not mx.allclose(mx.abs(r), mx.eye(dim)).item()  # it mixes channels
+
+
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_rotated_attention_equals_attention_over_unrotated_entries(mask):
+    """Entries stored as ``xR`` give the attention of ``x``: only the quantization error differs."""
+    B, H, G, L, Q, F, D, bits = 1, 2, 3, 4, 20, 6, 64, 8
+    k = mx.random.split(mx.random.key(1), 5)
+    queries = mx.random.normal((B, H * G, L, D), key=k[0])
+    keys, values = mx.random.normal((B, H, Q + F, D), key=k[1]), mx.random.normal((B, H, Q + F, D), key=k[2])
+    r = rotation_matrix(D)
+    rk, rv = keys @ r, values @ r
+    q_keys = mx.quantize(rk[..., :Q, :], group_size=GROUP, bits=bits)
+    q_values = mx.quantize(rv[..., :Q, :], group_size=GROUP, bits=bits)
+    got = quantized_attention(
+        queries, (q_keys, rk[..., Q:, :]), (q_values, rv[..., Q:, :]), 0.125, mask, GROUP, bits, rotation=r
+    )
+    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=mask)
+    assert mx.allclose(got, expected, atol=2e-2).item()
+    unrotated = quantized_attention(
+        queries, (q_keys, rk[..., Q:, :]), (q_values, rv[..., Q:, :]), 0.125, mask, GROUP, bits
+    )
+    assert not mx.allclose(unrotated, expected, atol=2e-2).item()
+
+
+@pytest.mark.parametrize("bits, rotated", [(4, True), (8, False)])
+def test_rotation_is_on_at_4_bits_and_policies_see_unrotated_keys(bits, rotated):
+    model = small_model(layers=1)
+    caches = make_cache(model, "default", budget=64, kv_bits=bits, kv_group_size=GROUP, full_precision_window=8)
+    plain = make_cache(model, "default", budget=64)
+    tokens = random_tokens(40)
+    for c in (caches, plain):
+        run_chunks(model, c, tokens, [30, 10])
+    q = caches[0]
+    assert q.kv_rotate is rotated and (q.rotation is not None) is rotated
+    # the full-precision entries are stored as kR; dense_keys turns them back into k
+    assert mx.allclose(q.dense_keys[..., 32:40, :], plain[0].keys[..., 32:40, :], atol=1e-5).item()
+    stored = q.fp_keys[..., : q.n_full, :]
+    assert mx.allclose(stored, plain[0].keys[..., 32:40, :], atol=1e-5).item() is not rotated
 
 
 def check_invariants(caches: list[QuantizedEvictingKVCache], seen: int, sinks: int) -> None:
@@ -102,7 +174,7 @@ def test_budget_and_invariants_hold_for_every_policy(policy, bits):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     policy=st.sampled_from(EVICTING),
-    bits=st.sampled_from([8, 4]),
+    bits=st.sampled_from([8, 4, "4w8"]),
     budget=st.integers(min_value=24, max_value=64),
     full=st.integers(min_value=0, max_value=12),
     chunks=st.lists(st.integers(min_value=1, max_value=30), min_size=2, max_size=6),
@@ -116,7 +188,8 @@ def test_budget_holds_after_every_chunk(policy, bits, budget, full, chunks):
         sinks=3,
         window=4,
         slack=2,
-        kv_bits=bits,
+        kv_bits=4 if bits == "4w8" else bits,
+        window_bits=8 if bits == "4w8" else None,
         kv_group_size=GROUP,
         full_precision_window=full,
     )
@@ -134,7 +207,9 @@ def test_compaction_moves_every_quantized_component(bits):
     model = small_model()
     kwargs = dict(budget=32, sinks=4, window=4, slack=3, seed=7)
     plain = make_cache(model, "random", **kwargs)
-    quant = make_cache(model, "random", **kwargs, kv_bits=bits, kv_group_size=GROUP, full_precision_window=4)
+    quant = make_cache(
+        model, "random", **kwargs, kv_bits=bits, kv_group_size=GROUP, full_precision_window=4, kv_rotate=False
+    )
     tokens = random_tokens(90)
     for caches in (plain, quant):
         run_chunks(model, caches, tokens, [20] + [1] * 70)
@@ -148,17 +223,21 @@ def test_compaction_moves_every_quantized_component(bits):
     assert mx.array_equal(q.dense_keys[..., :n_quant, :], dequantized(q.keys, n_quant, bits)).item()
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits, window_bits", [(8, None), (4, None), (4, 8)])
 @pytest.mark.parametrize("policy", ["default", "uncertainty", "knorm"])
-def test_save_and_load_continue_identically(policy, bits, tmp_path):
+def test_save_and_load_continue_identically(policy, bits, window_bits, tmp_path):
+    """At 4 bits the storage is rotated: the reloaded cache must rotate the same way."""
     model = small_model()
-    caches = make_cache(model, policy, budget=24, window=4, slack=2, kv_bits=bits, kv_group_size=GROUP)
+    caches = make_cache(
+        model, policy, budget=24, window=4, slack=2, kv_bits=bits, kv_group_size=GROUP, window_bits=window_bits
+    )
     tokens = random_tokens(60)
     run_chunks(model, caches, tokens, [12] + [1] * 30)
     path = str(tmp_path / "cache.safetensors")
     save_prompt_cache(path, caches)
     loaded = load_prompt_cache(path)
     assert all(type(c) is QuantizedEvictingKVCache and c.kv_bits == bits for c in loaded)
+    assert all(c.kv_rotate is (bits == 4) and c.window_bits == window_bits for c in loaded)
     rest = [1] * 18
     expected = run_chunks(model, caches, tokens[42:], rest)
     got = run_chunks(model, loaded, tokens[42:], rest)
@@ -209,6 +288,21 @@ def test_nbytes_is_about_half_or_quarter_of_float16(bits, low, high):
     assert mlxevict.cache_stats(quant).full_nbytes == mlxevict.cache_stats(plain).full_nbytes
 
 
+def test_8bit_window_costs_its_tokens_in_8_bits():
+    model = tiny_model("llama", head_dim=64, hidden_size=128)
+    model.set_dtype(mx.float16)
+    sizes = {}
+    for name, storage in {
+        "q4": dict(kv_bits=4, full_precision_window=0),
+        "q8": dict(kv_bits=8, full_precision_window=0),
+        "q4w8": dict(kv_bits=4, full_precision_window=8, window_bits=8),
+    }.items():
+        caches = make_cache(model, "window", budget=64, **storage)
+        model(random_tokens(40)[None], cache=caches)
+        sizes[name] = mlxevict.cache_stats(caches).nbytes
+    assert sizes["q4w8"] == pytest.approx((56 * sizes["q4"] + 8 * sizes["q8"]) / 64)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -220,6 +314,9 @@ def test_nbytes_is_about_half_or_quarter_of_float16(bits, low, high):
             r"kv_group_size=64 does not divide the head dim 32; use --kv-group-size 32",
         ),
         (dict(kv_bits=4, kv_group_size=GROUP, full_precision_window=-1), r"full_precision_window=-1 must be"),
+        (dict(kv_bits=8, kv_group_size=GROUP, window_bits=8), r"window_bits=8 with kv_bits=8: the recent window"),
+        (dict(kv_bits=4, kv_group_size=GROUP, window_bits=4), r"window_bits=4 with kv_bits=4"),
+        (dict(window_bits=8), r"window_bits=8 needs kv_bits=4"),
         (
             dict(kv_bits=4, kv_group_size=GROUP, budget=40, full_precision_window=36),
             r"full_precision_window=36 leaves no room",

@@ -175,7 +175,10 @@ def render(p: dict[str, Any]) -> str:
     if len(p["storage_modes"]) == 1:
         lines.append(f"              --kv-bits needs a head dim divisible by {', '.join(map(str, GROUP_SIZES))}")
     else:
-        lines.append("              (quantized caches keep the newest --fp-window tokens in full precision too)")
+        lines.append(
+            "              (quantized caches keep the newest --fp-window tokens in full precision too, "
+            "or in 8 bits with --window-bits 8)"
+        )
     if p["reason"]:
         lines.insert(1, f"chosen        {p['reason']}")
     if p["openblas"] is not None:
