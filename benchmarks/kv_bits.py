@@ -35,11 +35,11 @@ from .report import plot_bytes, table, write_json
 
 DEFAULT_NAMES = (
     "kvcache", "quantized8", "quantized4", "rotating",
-    "default", "default:q8", "default:q4", "h2o:q8", "h2o:q4",
+    "default", "default:q8", "default:q4", "default:q4w8",
 )  # fmt: skip
-SPEED_NAMES = ("kvcache", "rotating", "quantized8", "quantized4", "default", "default:q8", "default:q4")
-# 0.44: about the largest budget whose :q8 cache holds at most half the bytes of mlx-lm's 8-bit one
-DEFAULT_FRACTIONS = (0.75, 0.44, 0.25)
+SPEED_NAMES = ("kvcache", "rotating", "quantized8", "quantized4", "default", "default:q8", "default:q4", "default:q4w8")
+# 0.875: :q4w8 holds about half the bytes of mlx-lm's 8-bit cache; 0.44: the same for :q8
+DEFAULT_FRACTIONS = (0.875, 0.75, 0.44)
 TARGET = "quantized8"
 KL_MARGIN = 0.01  # nats
 BYTES_LIMIT = 0.5  # of the target's KV bytes
