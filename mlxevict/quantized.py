@@ -357,28 +357,28 @@ class QuantizedEvictingKVCache(EvictingKVCache):
             rotation = rotation.astype(keys.dtype)
             keys, values = keys @ rotation, values @ rotation
         n_quant = start - n_full
-        fold = max(0, n_full + S - F)
-        pairs = ((self.keys, keys, self.fp_keys), (self.values, values, self.fp_values))
-        if fold:
-            for stored, fresh, window in pairs:
-                recent = fresh
-                if n_full:
-                    held = self._dense(_first_rows(window, n_full), self.window_bits)
-                    recent = mx.concatenate([held, fresh], axis=2)
-                packed = mx.quantize(recent[..., :fold, :], group_size=self.kv_group_size, bits=self.kv_bits)
-                for x, p in zip(stored, packed):
+        fold = max(0, n_full + S - F)  # oldest rows of (window + fresh) that go to quantized storage
+        from_window = min(fold, n_full)
+        stays = n_full - from_window
+        for stored, fresh, window in ((self.keys, keys, self.fp_keys), (self.values, values, self.fp_values)):
+            if fold:
+                parts = [self._dense(_first_rows(window, from_window), self.window_bits)] if from_window else []
+                if fold > from_window:
+                    parts.append(fresh[..., : fold - from_window, :])
+                folded = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+                for x, p in zip(stored, mx.quantize(folded, group_size=self.kv_group_size, bits=self.kv_bits)):
                     x[..., n_quant : n_quant + fold, :] = p
-                if F:
-                    self._write_window(window, recent[..., fold:, :], 0)
-            self.n_full = F
-        else:
-            for _, fresh, window in pairs:
-                self._write_window(window, fresh, n_full)
-            self.n_full = n_full + S
+                if stays:  # shift what stays as it is stored: 8-bit rows are not quantized twice
+                    for x in window if _quantized(window) else (window,):
+                        x[..., :stays, :] = x[..., from_window:n_full, :]
+            self._write_window(window, fresh[..., fold - from_window :, :], stays)
+        self.n_full = n_full + S - fold
 
     def _write_window(self, window: Entries, rows: mx.array, start: int) -> None:
         """Write ``(B, H, S, D)`` model-dtype ``rows`` into the recent window from slot ``start``."""
         end = start + rows.shape[2]
+        if end == start:
+            return
         if _quantized(window):
             for x, p in zip(window, mx.quantize(rows, group_size=self.kv_group_size, bits=self.window_bits)):
                 x[..., start:end, :] = p
