@@ -96,7 +96,8 @@ def storage_text(c: CacheStats) -> str:
     """How the kept entries are stored: the model's dtype, or quantized with a full-precision window."""
     if not c.kv_bits:
         return "model dtype"
-    return f"{c.kv_bits}-bit, newest {format_count(c.full_precision_window or 0)} tokens in full precision"
+    precision = f"{c.window_bits}-bit" if c.window_bits else "full precision"
+    return f"{c.kv_bits}-bit, newest {format_count(c.full_precision_window or 0)} tokens in {precision}"
 
 
 def save_transcript(text: str, directory: Path, saved_at: datetime) -> Path:

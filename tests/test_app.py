@@ -9,6 +9,7 @@ drive it with the real SmolLM2 test model.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import re
@@ -383,6 +384,8 @@ async def test_settings_dialog_keeps_quantized_storage_and_the_panel_says_so(tin
         kv = str(app.query_one(StatsPanel).query_one("#kv-text", Static).render())
         assert "(8-bit) · full" in kv
     assert "| KV storage | 8-bit, newest 12 tokens in full precision |" in cache_table(stats)
+    eight_bit_window = dataclasses.replace(stats, kv_bits=4, window_bits=8)
+    assert "| KV storage | 4-bit, newest 12 tokens in 8-bit |" in cache_table(eight_bit_window)
 
 
 @pilot_test
