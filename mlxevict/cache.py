@@ -212,8 +212,8 @@ class EvictingKVCache(_BaseCache):
         B, H, S, D = keys.shape
         if self.keys is None:
             self._allocate(B, H, D, values.shape[-1], keys.dtype)
-        elif self._key_shape() != (B, H, D):
-            b, h, d = self._key_shape()
+        elif self.dense_shape[:3] != (B, H, D):
+            b, h, d = self.dense_shape[:3]
             raise ValueError(
                 f"this cache holds keys shaped (B={b}, H={h}, D={d}) but got (B={B}, H={H}, D={D}); "
                 "it was made for another model: build a new one with mlxevict.make_cache(model)"
@@ -334,9 +334,11 @@ class EvictingKVCache(_BaseCache):
         """``(B, H, C, D)`` keys in the model's dtype, slot by slot: what policies score."""
         return self.keys
 
-    def _key_shape(self) -> tuple[int, int, int]:
+    @property
+    def dense_shape(self) -> tuple[int, int, int, int, mx.Dtype]:
+        """``(B, H, D, Dv, dtype)`` of the keys and values as the model made them."""
         B, H, _, D = self.keys.shape
-        return B, H, D
+        return B, H, D, self.values.shape[3], self.keys.dtype
 
     def _write(self, keys: mx.array, values: mx.array, start: int) -> None:
         """Store ``(B, H, S, D)`` keys/values in slots ``[start, start + S)``."""

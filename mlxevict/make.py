@@ -46,7 +46,7 @@ def make_cache(
         full_precision_window: with ``kv_bits``, the newest tokens kept in the
             model's dtype. Default: ``min(32, budget // 8)``.
         kv_rotate: with ``kv_bits``, store keys and values rotated by a fixed
-            orthogonal matrix (exact in attention, much smaller 4-bit error).
+            orthogonal matrix (exact in attention, smaller 4-bit error).
             Default ``None``: at 4 bits only.
         window_bits: with ``kv_bits=4``, 8 stores the recent window in 8 bits
             instead of the model's dtype. Default ``None``.

@@ -50,11 +50,8 @@ def bytes_per_token(cache: EvictingKVCache) -> int:
     """KV bytes one token costs a full cache in one layer (keys + values, all kv-heads, model dtype)."""
     if cache.keys is None:
         return 0
-    if cache.kv_bits:
-        B, H, D, Dv, dtype = cache.dense_shape
-        return B * H * (D + Dv) * dtype.size
-    B, H, _, D = cache.keys.shape
-    return B * H * (D + cache.values.shape[3]) * cache.keys.dtype.size
+    B, H, D, Dv, dtype = cache.dense_shape
+    return B * H * (D + Dv) * dtype.size
 
 
 def cache_stats(caches: Sequence[EvictingKVCache]) -> CacheStats:
