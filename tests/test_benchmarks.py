@@ -200,8 +200,10 @@ def test_quick_eval_and_bench_on_the_real_model(smollm_path, tmp_path, capsys):
     sub = parser.add_subparsers()
     bcli.add_eval_parser(sub)
     bcli.add_bench_parser(sub)
-    for verb, policies in (("eval", "default,default:q8,rotating"), ("bench", "default,rotating")):
-        args = parser.parse_args([verb, str(smollm_path), "--quick", "--out", str(tmp_path), "--policies", policies])
+    # One eval budget of --quick's three: the harness end to end, in a third of the time.
+    for verb, options in (("eval", ["--policies", "default,default:q8,rotating", "--budgets", "0.25"]),
+                          ("bench", ["--policies", "default,rotating"])):  # fmt: skip
+        args = parser.parse_args([verb, str(smollm_path), "--quick", "--out", str(tmp_path), *options])
         assert args.func(args) == 0
     results = json.loads((tmp_path / "eval.json").read_text())
     assert results["config"]["retrieval_answers_solved_by_full_cache"] >= 0

@@ -130,6 +130,28 @@ def test_works_as_mlx_lm_prompt_cache():
     assert caches[0].size() <= 24
 
 
+def test_budget_holds_over_1000_generated_tokens():
+    """The cache issue's invariants over a long generation: capacity, offset, sinks, time order."""
+    model = tiny_model("llama", layers=4)
+    prompt = random_tokens(40)
+    caches = make_cache(model, "entropy", budget=128)
+    steps = generate_step(prompt, model, prompt_cache=caches, max_tokens=1000)
+    for n, _ in enumerate(steps, start=1):
+        seen = prompt.size + n  # generate_step runs one step ahead of what it yields
+        for cache in caches:
+            assert cache.size() <= cache.capacity == 128
+            assert cache.offset == seen
+        if n % 50 == 0 or n == 1000:
+            for cache in caches:
+                for head in cache.positions[0].tolist():
+                    kept = head[: cache.size()]
+                    assert kept[:4] == [0, 1, 2, 3] and kept == sorted(kept) and kept[-1] == seen - 1
+    assert n == 1000
+    stats = mlxevict.cache_stats(caches)
+    assert stats.evicted == prompt.size + 1000 - stats.kept
+    assert 128 - caches[0].slack - 1 <= stats.kept <= 128
+
+
 def test_prompt_mode_compress_holds_prompt_then_compresses():
     model = tiny_model("llama")
     caches = make_cache(model, "snapkv", budget=24, window=4, slack=0, prompt_mode="compress")

@@ -65,26 +65,6 @@ def test_window_matches_rotating_kv_cache_over_300_tokens(smollm):
     assert mlxevict.cache_stats(ours).evicted > 200
 
 
-def test_budget_holds_over_1000_generated_tokens(smollm):
-    model, _, prompt = smollm
-    caches = make_cache(model, "entropy", budget=128)
-    steps = generate_step(prompt, model, prompt_cache=caches, max_tokens=1000)
-    for n, _ in enumerate(steps, start=1):
-        seen = prompt.size + n  # generate_step runs one step ahead of what it yields
-        for cache in caches:
-            assert cache.size() <= cache.capacity == 128
-            assert cache.offset == seen
-        if n % 50 == 0 or n == 1000:
-            for cache in caches:
-                for head in cache.positions[0].tolist():
-                    kept = head[: cache.size()]
-                    assert kept[:4] == [0, 1, 2, 3] and kept == sorted(kept) and kept[-1] == seen - 1
-    assert n == 1000
-    stats = mlxevict.cache_stats(caches)
-    assert stats.evicted == prompt.size + 1000 - stats.kept
-    assert 128 - caches[0].slack - 1 <= stats.kept <= 128
-
-
 @pytest.mark.parametrize("policy", ["entropy", "uncertainty", "default"])
 def test_saved_cache_continues_with_identical_tokens(smollm, policy, tmp_path):
     model, _, prompt = smollm
