@@ -341,11 +341,17 @@ def test_ctrl_c_keeps_the_text_and_exits_130(tmp_path):
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=process_env(),
+        env=process_env() | {"PYTHONFAULTHANDLER": "1"},
     )
     first = proc.stdout.read(40)  # text is streaming
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        # Seen once in a full run (not reproduced in 76 tries): show where it hung.
+        proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+        _, err = proc.communicate(timeout=30)
+        pytest.fail("generate ignored Ctrl-C for 60 s; its stacks:\n" + err.decode()[-6000:])
     assert proc.returncode == 130 and len(first) == 40
     assert "Traceback" not in err.decode()
     last = err.decode().strip().splitlines()[-1]
