@@ -155,8 +155,16 @@ def scripted_app(session: ScriptedSession, **options) -> ChatApp:
 
 
 async def ask(pilot, text: str) -> None:
-    pilot.app.query_one("#prompt", Input).value = text
+    """Type ``text`` and press Enter; return once the turn has started.
+
+    Submitting mounts the turn before the worker starts, so without the wait a test
+    could find the app idle *before* its turn began (a flake seen once in CI).
+    """
+    app = pilot.app
+    turns = len(app.turns)
+    app.query_one("#prompt", Input).value = text
     await pilot.press("enter")
+    await wait_until(pilot, lambda: len(app.turns) > turns)
 
 
 async def wait_until(pilot, condition, timeout: float = 20.0) -> None:
@@ -223,7 +231,8 @@ async def test_empty_input_is_ignored():
     app = scripted_app(session)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("enter")
-        await ask(pilot, "   ")
+        app.query_one("#prompt", Input).value = "   "
+        await pilot.press("enter")
         await pilot.pause()
         assert session.sent == []
         assert not app.query(ModelTurn) and not app.query(UserTurn)
