@@ -20,7 +20,7 @@ from typing import Iterator
 import pytest
 from textual.command import CommandPalette
 from textual.widgets import Collapsible, Input, OptionList, Static
-from tiny_model import build_tiny_model
+from model_files import build_tiny_model
 
 from mlxevict.app.conversation import ModelTurn, Notice, UserTurn
 from mlxevict.app.main import ChatApp, make_app

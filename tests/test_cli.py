@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_model import build_tiny_model, write_hub_repo
+from model_files import build_tiny_model, write_hub_repo
 
 from mlxevict.cli import main
 from mlxevict.openblas import REEXEC_GUARD, openblas_library, preload_env

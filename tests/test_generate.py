@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm import load
-from tiny_model import EOS, build_tiny_model
+from model_files import EOS, build_tiny_model
 
 import mlxevict
 from mlxevict.errors import MlxEvictError

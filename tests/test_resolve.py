@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from huggingface_hub import snapshot_download
-from tiny_model import build_tiny_model, write_hub_repo, write_tiny_gguf
+from model_files import build_tiny_model, write_hub_repo, write_tiny_gguf
 
 from mlxevict.errors import MlxEvictError
 from mlxevict.resolve import (

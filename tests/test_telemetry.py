@@ -10,7 +10,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import quantize_model
-from tiny_model import build_tiny_model
+from model_files import build_tiny_model
 
 import mlxevict
 from mlxevict.errors import MlxEvictError

@@ -1,4 +1,4 @@
-"""Real mlx-lm models with random weights, small enough for fast unit tests."""
+"""Tiny random-weight mlx-lm models in memory, for fast cache and attention tests (folders: model_files.py)."""
 
 from __future__ import annotations
 

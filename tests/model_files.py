@@ -1,4 +1,4 @@
-"""Tiny random-weight mlx-lm models on disk, and a hub cache laid out as huggingface_hub lays it out.
+"""Tiny random-weight mlx-lm model *folders* (and a hub cache, a GGUF) on disk, for load paths and the CLI.
 
 The model is a real mlx-lm ``llama`` (or ``qwen2``) with a small ``ModelArgs``
 and random weights; the tokenizer is a byte-level BPE trained in a few
