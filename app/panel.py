@@ -16,6 +16,7 @@ from textual.widgets import Sparkline, Static
 
 from mlxevict.events import Progress
 from mlxevict.policies import DEFAULT_POLICY
+from mlxevict.quantized import bits_label
 from mlxevict.stats import CacheStats
 from mlxevict.telemetry import MemorySnapshot
 
@@ -137,7 +138,7 @@ class StatsPanel(VerticalScroll):
         saved = c.saved_nbytes
         share = f" ({saved / c.full_nbytes:.0%})" if c.full_nbytes else ""
         # Quantized storage saves bytes too: say so, or the saving reads as eviction alone.
-        storage = f" ({c.kv_bits}-bit)" if c.kv_bits else ""
+        storage = f" ({bits_label(c.kv_bits)})" if c.kv_bits else ""
         text.update(
             f"kept [b]{format_count(c.kept)}[/b] / {format_count(c.capacity)} slots\n"
             f"evicted [b]{format_count(c.evicted)}[/b] of {format_count(c.tokens_seen)} seen\n"

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mlxevict.events import Finished
+from mlxevict.quantized import bits_label
 from mlxevict.stats import CacheStats
 
 from .gauges import format_bytes, format_count
@@ -97,7 +98,7 @@ def storage_text(c: CacheStats) -> str:
     if not c.kv_bits:
         return "model dtype"
     precision = f"{c.window_bits}-bit" if c.window_bits else "full precision"
-    return f"{c.kv_bits}-bit, newest {format_count(c.full_precision_window or 0)} tokens in {precision}"
+    return f"{bits_label(c.kv_bits)}, newest {format_count(c.full_precision_window or 0)} tokens in {precision}"
 
 
 def save_transcript(text: str, directory: Path, saved_at: datetime) -> Path:

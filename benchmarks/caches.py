@@ -9,8 +9,8 @@ mlx-lm's baselines go by these names:
 
 Everything else is an mlxevict policy name (``mlxevict.policy_names()``); a policy name
 with ``:q8`` or ``:q4`` (``default:q8``) stores what it keeps in 8 or 4 bits; ``:q4w8`` stores
-it in 4 bits with the recent window in 8 bits instead of full precision
-(``make_cache(..., kv_bits=8)``, group size 64, full-precision window min(32, budget // 8)).
+it in 4 bits with the recent window in 8 bits instead of full precision, ``:k5v3w8`` the same
+with keys in 5 bits and values in 3 (``make_cache(..., kv_bits=8)``, group size 64, full-precision window min(32, budget // 8)).
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def parse_names(text: str | None, storage: bool = False) -> list[str]:
     if unknown:
         raise ValueError(
             f"unknown cache or policy {', '.join(unknown)}; choose from: {', '.join(cache_names())} "
-            "(a policy with :q8 or :q4 stores its KV in 8 or 4 bits, :q4w8 in 4 bits with an 8-bit recent window)"
+            "(a policy with :q8 or :q4 stores its KV in 8 or 4 bits, :q4w8 in 4 bits with an 8-bit recent window, "
+            ":k5v3w8 keys in 5 bits and values in 3 with an 8-bit recent window)"
         )
     return [REFERENCE, *[n for n in dict.fromkeys(names) if n != REFERENCE]]
 
@@ -171,11 +172,16 @@ def kv_bytes_16bit(caches: Sequence[Any]) -> int:
     return total
 
 
-# ---- storage modes: "<policy>:q8" / "<policy>:q4" / "<policy>:q4w8" -----------------------
-STORAGE_SUFFIXES = {":q8": {"kv_bits": 8}, ":q4": {"kv_bits": 4}, ":q4w8": {"kv_bits": 4, "window_bits": 8}}
+# ---- storage modes: "<policy>:q8" / ":q4" / ":q4w8" / ":k5v3w8" ---------------------------
+STORAGE_SUFFIXES = {
+    ":q8": {"kv_bits": 8},
+    ":q4": {"kv_bits": 4},
+    ":q4w8": {"kv_bits": 4, "window_bits": 8},
+    ":k5v3w8": {"kv_bits": (5, 3), "window_bits": 8},  # keys in 5 bits, values in 3: the bytes of :q4w8
+}
 
 
-def split_storage(name: str) -> tuple[str, dict[str, int]]:
+def split_storage(name: str) -> tuple[str, dict[str, Any]]:
     """``"default:q4w8"`` → ``("default", {"kv_bits": 4, "window_bits": 8})``; other names → ``(name, {})``."""
     for suffix, storage in STORAGE_SUFFIXES.items():
         if name.endswith(suffix):

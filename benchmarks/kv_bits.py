@@ -35,9 +35,12 @@ from .report import plot_bytes, table, write_json
 
 DEFAULT_NAMES = (
     "kvcache", "quantized8", "quantized4", "rotating",
-    "default", "default:q8", "default:q4", "default:q4w8",
+    "default", "default:q8", "default:q4", "default:q4w8", "default:k5v3w8",
 )  # fmt: skip
-SPEED_NAMES = ("kvcache", "rotating", "quantized8", "quantized4", "default", "default:q8", "default:q4", "default:q4w8")
+SPEED_NAMES = (
+    "kvcache", "rotating", "quantized8", "quantized4",
+    "default", "default:q8", "default:q4", "default:q4w8", "default:k5v3w8",
+)  # fmt: skip
 # 0.875: :q4w8 holds about half the bytes of mlx-lm's 8-bit cache; 0.44: the same for :q8
 DEFAULT_FRACTIONS = (0.875, 0.75, 0.44)
 TARGET = "quantized8"
@@ -172,8 +175,8 @@ def markdown(results: dict[str, Any]) -> str:
                 "tokens. KV bytes relative to a 16-bit full `KVCache` holding the whole context (floats counted "
                 "at 2 bytes; the run itself uses float32 weights); mlx-lm's caches are counted by the entries they "
                 "hold, mlxevict's by their fixed allocation (the budget). mlxevict's `:q8`/`:q4` keep the newest "
-                "`window` tokens (min(32, budget/8)) in full precision, `:q4w8` in 8 bits; 4-bit storage is "
-                "rotated (`mlxevict.quantized.rotation_matrix`); the `+ positions, stats` column adds "
+                "`window` tokens (min(32, budget/8)) in full precision, `:q4w8` and `:k5v3w8` (keys in 5 bits, "
+                "values in 3) in 8 bits; storage under 8 bits is rotated (`mlxevict.quantized.rotation_matrix`); the `+ positions, stats` column adds "
                 f"mlxevict's 8 bytes per slot and kv-head of bookkeeping. `default` is `{q['default_policy']}`.",
                 table(headers, body),
                 f"## Target: retrieval >= {t['reference']}'s ({_num(t['reference_retrieval'], '.2f')}), "

@@ -85,7 +85,8 @@ def eval_markdown(results: dict[str, Any]) -> str:
         "`KVCache` holding the whole context, as a 16-bit model holds them (floats at 2 bytes, packed words as "
         "they are; mlx-lm's caches by the entries they hold, mlxevict's by their fixed allocation); "
         "`NAME:q8`/`:q4` store what they keep in 8/4 bits (4 bits rotated, see `mlxevict.quantized`); "
-        "`:q4w8` keeps the recent window in 8 bits instead of full precision.",
+        "`:q4w8` keeps the recent window in 8 bits instead of full precision; `:k5v3w8` too, with keys in 5 bits "
+        "and values in 3.",
     ]
     skipped = "".join(f"\n- skipped {s['cache']} @ {s['budget_fraction']:g}: {s['reason']}" for s in results["skipped"])
     return table(head, body) + "\n\n" + " ".join(notes) + skipped + "\n"

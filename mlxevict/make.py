@@ -8,7 +8,7 @@ import mlx.nn as nn
 
 from .cache import DEFAULT_BUDGET, DEFAULT_SINKS, EvictingKVCache
 from .patch import patch
-from .quantized import DEFAULT_GROUP_SIZE, QuantizedEvictingKVCache, check_storage, model_head_dim
+from .quantized import DEFAULT_GROUP_SIZE, KVBits, QuantizedEvictingKVCache, check_storage, model_head_dim
 
 
 def make_cache(
@@ -21,7 +21,7 @@ def make_cache(
     slack: int | None = None,
     prompt_mode: str = "evict",
     pinned: Sequence[tuple[int, int]] = (),
-    kv_bits: int | None = None,
+    kv_bits: KVBits | None = None,
     kv_group_size: int = DEFAULT_GROUP_SIZE,
     full_precision_window: int | None = None,
     kv_rotate: bool | None = None,
@@ -41,14 +41,15 @@ def make_cache(
         budget: most KV entries per layer. Default 2048.
         sinks, window, slack, prompt_mode, pinned, policy_kwargs: see :class:`EvictingKVCache`.
         kv_bits: ``None`` (default) stores KV in the model's dtype; 8 or 4 store
-            it quantized (:class:`~mlxevict.quantized.QuantizedEvictingKVCache`).
+            it quantized (:class:`~mlxevict.quantized.QuantizedEvictingKVCache`);
+            a ``(key bits, value bits)`` pair such as ``(5, 3)`` stores them apart.
         kv_group_size: values per quantization scale: 32, 64 (default) or 128.
         full_precision_window: with ``kv_bits``, the newest tokens kept in the
             model's dtype. Default: ``min(32, budget // 8)``.
         kv_rotate: with ``kv_bits``, store keys and values rotated by a fixed
             orthogonal matrix (exact in attention, smaller 4-bit error).
-            Default ``None``: at 4 bits only.
-        window_bits: with ``kv_bits=4``, 8 stores the recent window in 8 bits
+            Default ``None``: when keys or values are under 8 bits.
+        window_bits: with storage under 8 bits, 8 stores the recent window in 8 bits
             instead of the model's dtype. Default ``None``.
 
     Returns:
@@ -61,7 +62,7 @@ def make_cache(
     options: dict[str, Any] = dict(sinks=sinks, window=window, slack=slack, prompt_mode=prompt_mode, pinned=pinned)
     cls = EvictingKVCache
     if window_bits is not None and kv_bits is None:
-        raise ValueError(f"window_bits={window_bits} needs kv_bits=4: it is the recent window's storage under 4 bits")
+        raise ValueError(f"window_bits={window_bits} needs kv_bits=4: it is the recent window's storage below 8 bits")
     if kv_bits is not None:
         check_storage(kv_bits, kv_group_size, (model_head_dim(model),), window_bits)
         cls = QuantizedEvictingKVCache

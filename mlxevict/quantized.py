@@ -9,7 +9,11 @@ window) stay in the model's dtype, or in 8 bits under 4-bit storage with
 tokens arrive (KIVI, https://arxiv.org/abs/2402.02750, keeps such a residual
 too); they are never evicted while in the window.
 
-At 4 bits, keys and values are stored rotated by a fixed orthogonal matrix ``R``
+Keys and values may take different bits (``kv_bits=(5, 3)``: the bytes of 4 bits):
+on the test model the error of 4-bit storage comes from the keys (8-bit keys with
+4-bit values: KL 0.0024; the reverse: 0.0083; README, "Evict and quantize").
+
+Below 8 bits, keys and values are stored rotated by a fixed orthogonal matrix ``R``
 (a Hadamard matrix with random signs; QuaRot, https://arxiv.org/abs/2404.00456):
 ``(qR)·(kR) = q·k``, so attention only rotates the queries in and the output back,
 while the rotation spreads the few large key channels that make per-token 4-bit
@@ -45,6 +49,9 @@ from .cache import DEFAULT_BUDGET, GROW_STEP, EvictingKVCache, default_window, f
 from .policies import Policy
 
 KV_BITS = (8, 4)
+PAIR_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports, for a (key bits, value bits) pair
+KVBits = Union[int, tuple[int, int]]
+SPLIT_BITS = (5, 3)  # keys finer than values, at the bytes of 4 bits: the keys carry the error (README)
 # A block of entries: model-dtype ``(B, H, N, D)``, or ``mx.quantize``'s (packed, scales, biases).
 Entries = Union[mx.array, tuple[mx.array, mx.array, mx.array]]
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize supports
@@ -57,17 +64,23 @@ def check_storage(
     """Raise a ``ValueError`` naming the bad value and the fix.
 
     Args:
-        kv_bits: 8 or 4.
+        kv_bits: 8 or 4, or a ``(key bits, value bits)`` pair of 2, 3, 4, 5, 6 or 8.
         group_size: 32, 64 or 128, dividing every head dim.
         head_dims: the key and value head dims, when known.
-        window_bits: ``None`` or 8 (with ``kv_bits=4``).
+        window_bits: ``None`` or 8 (when keys and values are both under 8 bits).
     """
-    if kv_bits not in KV_BITS or isinstance(kv_bits, bool):
-        raise ValueError(f"kv_bits={kv_bits!r} is not supported; use 8 or 4 (or None to store the model's dtype)")
-    if window_bits is not None and (window_bits not in KV_BITS or window_bits <= kv_bits):
+    pair = isinstance(kv_bits, (tuple, list)) and len(kv_bits) == 2
+    if not (pair and all(b in PAIR_BITS and not isinstance(b, bool) for b in kv_bits)) and (
+        kv_bits not in KV_BITS or isinstance(kv_bits, bool)
+    ):
+        raise ValueError(
+            f"kv_bits={kv_bits!r} is not supported; use 8 or 4, a (key bits, value bits) pair of "
+            f"{', '.join(map(str, PAIR_BITS))} such as (5, 3), or None to store the model's dtype"
+        )
+    if window_bits is not None and (window_bits not in KV_BITS or window_bits <= max(key_value_bits(kv_bits))):
         raise ValueError(
             f"window_bits={window_bits!r} with kv_bits={kv_bits}: the recent window is stored in 8 bits under "
-            "4-bit storage, or in the model's dtype (window_bits=None)"
+            "storage below 8 bits, or in the model's dtype (window_bits=None)"
         )
     if group_size not in GROUP_SIZES or isinstance(group_size, bool):
         raise ValueError(f"kv_group_size={group_size!r} is not supported by mx.quantize; use 32, 64 or 128")
@@ -76,6 +89,17 @@ def check_storage(
             fits = [str(g) for g in GROUP_SIZES if dim % g == 0]
             fix = f"use --kv-group-size {' or '.join(fits)}" if fits else "store this model's KV unquantized"
             raise ValueError(f"kv_group_size={group_size} does not divide the head dim {dim}; {fix}")
+
+
+def key_value_bits(kv_bits: KVBits) -> tuple[int, int]:
+    """``(key bits, value bits)`` of ``kv_bits`` (one number means both)."""
+    return (kv_bits, kv_bits) if isinstance(kv_bits, int) else (int(kv_bits[0]), int(kv_bits[1]))
+
+
+def bits_label(kv_bits: KVBits) -> str:
+    """``"4-bit"``, or ``"5/3-bit"`` for keys in 5 and values in 3."""
+    key_bits, value_bits = key_value_bits(kv_bits)
+    return f"{key_bits}-bit" if key_bits == value_bits else f"{key_bits}/{value_bits}-bit"
 
 
 @lru_cache(maxsize=8)
@@ -104,16 +128,16 @@ def model_head_dim(model: Any) -> int:
 
 
 def storage_bytes(
-    dim: int, dtype_size: int, kv_bits: Optional[int] = None, group_size: int = DEFAULT_GROUP_SIZE
+    dim: int, dtype_size: int, bits: Optional[int] = None, group_size: int = DEFAULT_GROUP_SIZE
 ) -> int:
     """Bytes one stored key (or value) vector of ``dim`` elements takes.
 
     Model dtype: ``dim × dtype_size``; quantized: ``dim × bits / 8`` plus a scale
     and a bias (model dtype) per group.
     """
-    if kv_bits is None:
+    if bits is None:
         return dim * dtype_size
-    return dim * kv_bits // 8 + 2 * (dim // group_size) * dtype_size
+    return dim * bits // 8 + 2 * (dim // group_size) * dtype_size
 
 
 def _quantized(entries: Entries) -> bool:
@@ -144,7 +168,7 @@ def quantized_attention(
     scale: float,
     mask: Any,
     group_size: int,
-    bits: int,
+    bits: KVBits,
     rotation: Optional[mx.array] = None,
     window_bits: Optional[int] = None,
 ) -> mx.array:
@@ -161,7 +185,7 @@ def quantized_attention(
             in the model's dtype, or quantized in ``window_bits``.
         scale: the attention scale.
         mask: ``None``, ``"causal"`` or an array over the ``Q + F`` entries.
-        group_size, bits: the quantization.
+        group_size, bits: the quantization (``bits``: one number, or keys' and values').
         rotation: ``(D, D)`` orthogonal matrix the entries were stored
             multiplied by (:func:`rotation_matrix`), or ``None``.
         window_bits: the bits of the newer entries when they are quantized.
@@ -184,9 +208,10 @@ def quantized_attention(
             tuple(mx.expand_dims(x, -3) for x in e) if _quantized(e) else mx.expand_dims(e, -3)
             for e in (q_keys, q_values, f_keys, f_values)
         ]
-    blocks = [(k, v, bits) for k, v, bits in ((q_keys, q_values, bits), (f_keys, f_values, window_bits)) if _rows(k)]
-    # (mx.quantized_matmul cannot take zero rows)
-    parts = [_matmul(queries, k, True, group_size, b) for k, _, b in blocks]
+    key_bits, value_bits = key_value_bits(bits)
+    stored = ((q_keys, q_values, key_bits, value_bits), (f_keys, f_values, window_bits, window_bits))
+    blocks = [block for block in stored if _rows(block[0])]  # (mx.quantized_matmul cannot take zero rows)
+    parts = [_matmul(queries, k, True, group_size, b) for k, _, b, _ in blocks]
     scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)  # ..., L, Q + F
     if mask is not None:
         if isinstance(mask, str):
@@ -200,9 +225,9 @@ def quantized_attention(
             scores += mask
     scores = mx.softmax(scores, axis=-1, precise=True)
     if len(blocks) == 1:
-        out = _matmul(scores, blocks[0][1], False, group_size, blocks[0][2])
+        out = _matmul(scores, blocks[0][1], False, group_size, blocks[0][3])
     else:
-        out = _matmul(scores[..., :n_quant], q_values, False, group_size, bits)
+        out = _matmul(scores[..., :n_quant], q_values, False, group_size, value_bits)
         out = out + _matmul(scores[..., n_quant:], f_values, False, group_size, window_bits)
     if n_repeats > 1:
         out = mx.reshape(out, (B, n_q_heads, L, -1))
@@ -212,7 +237,7 @@ def quantized_attention(
 
 
 class QuantizedEvictingKVCache(EvictingKVCache):
-    """An :class:`EvictingKVCache` that stores its entries in 8 or 4 bits.
+    """An :class:`EvictingKVCache` that stores its entries in 8 or 4 bits (or keys and values apart).
 
     Build it with ``make_cache(model, policy, budget, kv_bits=8)``, which also
     patches the model: attention over this storage needs the patched attention.
@@ -220,7 +245,7 @@ class QuantizedEvictingKVCache(EvictingKVCache):
     Args:
         policy, budget, sinks, window, slack, prompt_mode, pinned, policy_kwargs:
             see :class:`EvictingKVCache`.
-        kv_bits: 8 or 4. Default 8.
+        kv_bits: 8 or 4, or ``(key bits, value bits)`` such as ``(5, 3)``. Default 8.
         kv_group_size: values per scale and bias: 32, 64 or 128, dividing the
             head dim. Default 64 (mlx-lm's).
         full_precision_window: the newest tokens kept in the model's dtype
@@ -229,9 +254,9 @@ class QuantizedEvictingKVCache(EvictingKVCache):
             token at once, as mlx-lm's ``QuantizedKVCache`` does.
         kv_rotate: store keys and values rotated by :func:`rotation_matrix`
             (exact in attention, smaller 4-bit error). Default ``None``: rotate
-            at 4 bits only.
+            when keys or values are under 8 bits.
         window_bits: ``None`` (default) keeps the recent window in the model's
-            dtype; 8 (with ``kv_bits=4``) stores it in 8 bits, which on the test
+            dtype; 8 (with storage under 8 bits) stores it in 8 bits, which on the test
             model costs it almost nothing in quality for half its bytes.
     """
 
@@ -240,7 +265,7 @@ class QuantizedEvictingKVCache(EvictingKVCache):
         policy: str | Policy = "default",
         budget: int = DEFAULT_BUDGET,
         *,
-        kv_bits: int = 8,
+        kv_bits: KVBits = 8,
         kv_group_size: int = DEFAULT_GROUP_SIZE,
         full_precision_window: Optional[int] = None,
         kv_rotate: Optional[bool] = None,
@@ -252,8 +277,10 @@ class QuantizedEvictingKVCache(EvictingKVCache):
         full = default_window(self.budget) if full_precision_window is None else full_precision_window
         if not isinstance(full, int) or isinstance(full, bool) or full < 0:
             raise ValueError(f"full_precision_window={full!r} must be a number of tokens >= 0")
-        self.kv_bits, self.kv_group_size, self.full_precision_window = kv_bits, kv_group_size, full
-        self.kv_rotate = kv_bits == 4 if kv_rotate is None else bool(kv_rotate)
+        self.kv_bits = kv_bits if isinstance(kv_bits, int) else key_value_bits(kv_bits)
+        self.key_bits, self.value_bits = key_value_bits(kv_bits)
+        self.kv_group_size, self.full_precision_window = kv_group_size, full
+        self.kv_rotate = min(self.key_bits, self.value_bits) < 8 if kv_rotate is None else bool(kv_rotate)
         self.window_bits = window_bits
         protected = self.sinks + self.protected_window + self.pinned_tokens + self.slack
         if full > self.window and self.budget <= protected:
@@ -291,7 +318,7 @@ class QuantizedEvictingKVCache(EvictingKVCache):
         n_quant = self._size - self.n_full
         parts = []
         if n_quant:
-            parts.append(self._dense(_first_rows(self.keys, n_quant), self.kv_bits))
+            parts.append(self._dense(_first_rows(self.keys, n_quant), self.key_bits))
         if self.n_full:
             parts.append(self._dense(_first_rows(self.fp_keys, self.n_full), self.window_bits))
         if C > self._size:
@@ -317,10 +344,9 @@ class QuantizedEvictingKVCache(EvictingKVCache):
         return max(0, capacity - self.full_precision_window)
 
     def _zeros(self, B: int, H: int, C: int, D: int, dtype: mx.Dtype, bits: int) -> Entries:
-        per_word = 32 // bits
         groups = D // self.kv_group_size
         return (
-            mx.zeros((B, H, C, D // per_word), mx.uint32),
+            mx.zeros((B, H, C, D * bits // 32), mx.uint32),  # mx.quantize packs D * bits bits per row
             mx.zeros((B, H, C, groups), dtype),
             mx.zeros((B, H, C, groups), dtype),
         )
@@ -329,8 +355,8 @@ class QuantizedEvictingKVCache(EvictingKVCache):
         check_storage(self.kv_bits, self.kv_group_size, (D, Dv))
         capacity = self.budget if self.policy.evicts else GROW_STEP
         quantized = self._quantized_capacity(capacity)
-        self.keys = self._zeros(B, H, quantized, D, dtype, self.kv_bits)
-        self.values = self._zeros(B, H, quantized, Dv, dtype, self.kv_bits)
+        self.keys = self._zeros(B, H, quantized, D, dtype, self.key_bits)
+        self.values = self._zeros(B, H, quantized, Dv, dtype, self.value_bits)
         F = self.full_precision_window
         if self.window_bits:
             self.fp_keys = self._zeros(B, H, F, D, dtype, self.window_bits)
@@ -357,13 +383,14 @@ class QuantizedEvictingKVCache(EvictingKVCache):
         fold = max(0, n_full + S - F)  # oldest rows of (window + fresh) that go to quantized storage
         from_window = min(fold, n_full)
         stays = n_full - from_window
-        for stored, fresh, window in ((self.keys, keys, self.fp_keys), (self.values, values, self.fp_values)):
+        kinds = ((self.keys, keys, self.fp_keys, self.key_bits), (self.values, values, self.fp_values, self.value_bits))
+        for stored, fresh, window, bits in kinds:
             if fold:
                 parts = [self._dense(_first_rows(window, from_window), self.window_bits)] if from_window else []
                 if fold > from_window:
                     parts.append(fresh[..., : fold - from_window, :])
                 folded = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
-                for x, p in zip(stored, mx.quantize(folded, group_size=self.kv_group_size, bits=self.kv_bits)):
+                for x, p in zip(stored, mx.quantize(folded, group_size=self.kv_group_size, bits=bits)):
                     x[..., n_quant : n_quant + fold, :] = p
                 if stays:  # shift what stays as it is stored: 8-bit rows are not quantized twice
                     for x in window if _quantized(window) else (window,):
@@ -410,7 +437,7 @@ class QuantizedEvictingKVCache(EvictingKVCache):
     def _restore(self, meta: dict[str, Any], **storage: Any) -> None:
         super()._restore(
             meta,
-            kv_bits=meta["kv_bits"],
+            kv_bits=meta["kv_bits"] if isinstance(meta["kv_bits"], int) else tuple(meta["kv_bits"]),
             kv_group_size=meta["kv_group_size"],
             full_precision_window=meta["full_precision_window"],
             kv_rotate=meta.get("kv_rotate", False),

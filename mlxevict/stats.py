@@ -22,7 +22,7 @@ class CacheStats:
         tokens_seen: the absolute position, ``offset``.
         nbytes: KV bytes allocated now, all layers.
         full_nbytes: KV bytes a full ``KVCache`` would hold for ``tokens_seen``.
-        kv_bits: storage bits (``None``: the model's dtype).
+        kv_bits: storage bits, or (key bits, value bits) (``None``: the model's dtype).
         full_precision_window: with ``kv_bits``, the newest tokens kept in the model's dtype
             (or in ``window_bits``).
         window_bits: 8 when that window is stored in 8 bits, else ``None``.
@@ -37,7 +37,7 @@ class CacheStats:
     tokens_seen: int
     nbytes: int
     full_nbytes: int
-    kv_bits: int | None = None
+    kv_bits: int | tuple[int, int] | None = None
     full_precision_window: int | None = None
     window_bits: int | None = None
 

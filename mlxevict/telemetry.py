@@ -21,7 +21,7 @@ import psutil
 
 from .cache import EvictingKVCache
 from .errors import MlxEvictError
-from .quantized import DEFAULT_GROUP_SIZE, storage_bytes
+from .quantized import DEFAULT_GROUP_SIZE, KVBits, key_value_bits, storage_bytes
 from .stats import cache_stats
 
 DEFAULT_MARGIN = 1 * 1024**3  # stop generating when less than this is left to the system
@@ -121,12 +121,14 @@ class KVShape:
     def bytes_per_token(self) -> int:
         return self.layers * self.kv_heads * self.head_dim * 2 * self.dtype_size
 
-    def storage_bytes_per_token(self, kv_bits: Optional[int] = None, group_size: int = DEFAULT_GROUP_SIZE) -> int:
+    def storage_bytes_per_token(self, kv_bits: Optional[KVBits] = None, group_size: int = DEFAULT_GROUP_SIZE) -> int:
         """Bytes per token with keys and values stored in ``kv_bits`` (``None``: the dtype).
 
         A quantized cache also holds its full-precision window at :attr:`bytes_per_token`.
         """
-        return self.layers * self.kv_heads * 2 * storage_bytes(self.head_dim, self.dtype_size, kv_bits, group_size)
+        bits = (None, None) if kv_bits is None else key_value_bits(kv_bits)
+        vectors = sum(storage_bytes(self.head_dim, self.dtype_size, b, group_size) for b in bits)
+        return self.layers * self.kv_heads * vectors
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -216,7 +218,7 @@ def kv_bytes_per_token(
     model_or_config: Any,
     dtype_size: Optional[int] = None,
     *,
-    kv_bits: Optional[int] = None,
+    kv_bits: Optional[KVBits] = None,
     kv_group_size: int = DEFAULT_GROUP_SIZE,
 ) -> int:
     """KV bytes one token costs: ``layers × kv_heads × head_dim × 2 × dtype_size``.
@@ -378,7 +380,7 @@ def budget_tokens(
     *,
     available: Optional[int] = None,
     context_limit: Optional[int] = None,
-    kv_bits: Optional[int] = None,
+    kv_bits: Optional[KVBits] = None,
     kv_group_size: int = DEFAULT_GROUP_SIZE,
 ) -> int:
     """Tokens per layer for a :class:`BudgetRequest` and a model.

@@ -420,13 +420,15 @@ def test_generate_with_kv_bits(capsys, tiny32):
     rc, out, err = cli(capsys, *args, "--kv-bits", "8", "--kv-group-size", "32")
     last = err.rstrip("\n").splitlines()[-1]
     assert rc == 0 and out.strip() and "full (8-bit) | peak" in last
+    rc, _, err = cli(capsys, *args, "--kv-bits", "5,3", "--kv-group-size", "32")
+    assert rc == 0 and "full (5/3-bit) | peak" in err.rstrip("\n").splitlines()[-1]
     results = {}
-    for bits in (None, "8", "4"):
+    for bits in (None, "8", "4", "5,3"):
         rc, out, _ = cli(capsys, *args, "--json", *(("--kv-bits", bits, "--kv-group-size", "32") if bits else ()))
         results[bits] = json.loads(out)["cache"]
-        assert rc == 0 and results[bits]["kv_bits"] == (int(bits) if bits else None)
+        assert rc == 0 and results[bits]["kv_bits"] == {None: None, "8": 8, "4": 4, "5,3": [5, 3]}[bits]
         assert results[bits]["kept"] <= results[bits]["capacity"] == 64 and results[bits]["evicted"] > 0
-    assert results[None]["nbytes"] > results["8"]["nbytes"] > results["4"]["nbytes"]
+    assert results[None]["nbytes"] > results["8"]["nbytes"] > results["4"]["nbytes"] == results["5,3"]["nbytes"]
 
 
 def test_kv_bits_memory_budget_buys_more_tokens(capsys, tiny32):
@@ -444,7 +446,7 @@ def test_kv_bits_memory_budget_buys_more_tokens(capsys, tiny32):
         (("--fp-window", "16"), "--fp-window 16 needs --kv-bits 8 or 4"),
         (("--kv-bits", "8", "--fp-window", "-1"), "--fp-window -1 must be a number of tokens >= 0"),
         (("--window-bits", "8"), "--window-bits 8 needs --kv-bits 8 or 4"),
-        (("--kv-bits", "8", "--window-bits", "8"), "--window-bits 8 needs --kv-bits 4"),
+        (("--kv-bits", "8", "--window-bits", "8"), "--window-bits 8 needs --kv-bits under 8, such as 4 or 5,3"),
     ],
 )
 def test_bad_kv_bits_options_are_one_error_line(capsys, tiny, extra, expected):
@@ -484,19 +486,23 @@ def test_chat_takes_fp_window(capsys, tiny32):
     assert rc == 0 and "kv_bits=4, full_precision_window=12, window_bits=None)" in err
 
 
-def test_kv_bits_outside_8_and_4_is_refused_by_the_parser(capsys, tiny):
+@pytest.mark.parametrize("bits", ["3", "7,3", "5,3,2", "five"])
+def test_unsupported_kv_bits_are_refused_by_the_parser(capsys, tiny, bits):
     with pytest.raises(SystemExit) as exit_:
-        main(["generate", str(tiny), "-p", "hi", "--kv-bits", "3"])
-    assert exit_.value.code == 2 and "--kv-bits: invalid choice: 3" in capsys.readouterr().err
+        main(["generate", str(tiny), "-p", "hi", "--kv-bits", bits])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"--kv-bits: {bits!r}: use 8 or 4, or KEY,VALUE bits of 2, 3, 4, 5, 6 or 8" in err
 
 
 def test_info_shows_bytes_per_token_per_storage_mode(capsys, tiny32, tiny):
     rc, out, _ = cli(capsys, "info", tiny32, "--json")
-    modes = {m["kv_bits"]: m for m in json.loads(out)["storage_modes"]}
-    assert rc == 0 and {b: m["bytes_per_token"] for b, m in modes.items()} == {None: 1024, 8: 320, 4: 192}
+    modes = {(tuple(b) if isinstance(b := m["kv_bits"], list) else b): m for m in json.loads(out)["storage_modes"]}
+    # keys in 5 bits and values in 3 cost what 4 bits cost
+    assert rc == 0 and {b: m["bytes_per_token"] for b, m in modes.items()} == {None: 1024, 8: 320, 4: 192, (5, 3): 192}
     assert modes[4]["fits_tokens"] > modes[8]["fits_tokens"] > modes[None]["fits_tokens"] > 0
     rc, out, _ = cli(capsys, "info", tiny32)
     assert rc == 0 and re.search(r"--kv-bits 8 +320 B", out) and re.search(r"--kv-bits 4 +192 B", out)
+    assert re.search(r"--kv-bits 5,3 +192 B", out)
     rc, out, _ = cli(capsys, "info", tiny)
     assert rc == 0 and "--kv-bits needs a head dim divisible by 32, 64, 128" in out
 

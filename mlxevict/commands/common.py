@@ -13,7 +13,7 @@ from ..events import Finished
 from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_TEMP, DEFAULT_TOP_P
 from ..make import make_cache
 from ..policies import policy_names
-from ..quantized import DEFAULT_GROUP_SIZE, KV_BITS
+from ..quantized import DEFAULT_GROUP_SIZE, KVBits, bits_label, check_storage, key_value_bits
 from ..resolve import FAMILY_NAME, Resolved, load_model, resolve_model
 from ..telemetry import BudgetRequest, budget_tokens, format_bytes, kv_bytes_per_token, parse_budget
 
@@ -53,11 +53,11 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--kv-bits",
-        type=int,
-        choices=KV_BITS,
+        type=kv_bits_option,
         default=None,
-        help="store the kept KV entries in 8 or 4 bits (the newest --fp-window tokens stay in full precision); "
-        "default: the model's dtype",
+        metavar="BITS",
+        help="store the kept KV entries in 8 or 4 bits, or keys and values apart as KEY,VALUE bits (5,3: the "
+        "bytes of 4 bits, keys finer); the newest --fp-window tokens stay in full precision; default: the model's dtype",
     )
     group.add_argument(
         "--kv-group-size",
@@ -78,7 +78,7 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         choices=(8,),
         default=None,
-        help="with --kv-bits 4: store the --fp-window tokens in 8 bits instead of full precision "
+        help="with --kv-bits under 8: store the --fp-window tokens in 8 bits instead of full precision "
         "(half their bytes; on the test model almost the same quality)",
     )
 
@@ -142,6 +142,19 @@ def resolve_budget(request: BudgetRequest, model: Any, **storage: Any) -> int:
     return tokens
 
 
+def kv_bits_option(text: str) -> KVBits:
+    """``--kv-bits``: ``8``, ``4``, or ``KEY,VALUE`` bits such as ``5,3``."""
+    try:
+        parts = [int(part) for part in text.split(",")]
+        bits = parts[0] if len(parts) == 1 else tuple(parts)
+        check_storage(bits, DEFAULT_GROUP_SIZE)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use 8 or 4, or KEY,VALUE bits of 2, 3, 4, 5, 6 or 8 such as 5,3"
+        ) from None
+    return bits
+
+
 def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     """``make_cache``'s storage arguments from the flags (empty without ``--kv-bits``)."""
     if args.kv_bits is None:
@@ -150,8 +163,11 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
             if value is not None:
                 raise MlxEvictError(f"{flag} {value} needs --kv-bits 8 or 4 (without it nothing is quantized)")
         return {}
-    if args.window_bits is not None and args.kv_bits != 4:
-        raise MlxEvictError(f"--window-bits {args.window_bits} needs --kv-bits 4 (an 8-bit window under 4-bit storage)")
+    if args.window_bits is not None and max(key_value_bits(args.kv_bits)) >= 8:
+        raise MlxEvictError(
+            f"--window-bits {args.window_bits} needs --kv-bits under 8, such as 4 or 5,3 (an 8-bit window "
+            "under finer storage)"
+        )
     if args.fp_window is not None and args.fp_window < 0:
         raise MlxEvictError(f"--fp-window {args.fp_window} must be a number of tokens >= 0")
     storage = {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size or DEFAULT_GROUP_SIZE}
@@ -185,7 +201,7 @@ def stats_line(finished: Finished) -> str:
     if p.cache is not None:
         c = p.cache
         held = f"{format_bytes(c.nbytes)} vs {format_bytes(c.full_nbytes)} full"
-        held += f" ({c.kv_bits}-bit)" if c.kv_bits else ""
+        held += f" ({bits_label(c.kv_bits)})" if c.kv_bits else ""
         parts.append(f"KV kept {c.kept}/{c.capacity}, evicted {c.evicted}, {held}")
     parts.append(f"peak {format_bytes(p.memory.mlx_peak)}")
     parts.append(finished.reason)

@@ -11,7 +11,7 @@ import psutil
 
 from ..cache import DEFAULT_BUDGET
 from ..openblas import openblas_library, openblas_loaded
-from ..quantized import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS
+from ..quantized import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS, SPLIT_BITS
 from ..resolve import DEEPSEEK_R1_DISTILL, check_architecture, hub_weights_nbytes, resolve_model
 from ..telemetry import (
     AUTO_FRACTION,
@@ -77,7 +77,7 @@ def storage_modes(shape, kv_memory: int) -> list[dict[str, Any]]:
     """Bytes per token and the tokens ``kv_memory`` holds: the model's dtype, then 8 and 4 bits."""
     group = next((g for g in (DEFAULT_GROUP_SIZE, *GROUP_SIZES) if shape.head_dim % g == 0), None)
     modes = []
-    for bits in (None, *KV_BITS):
+    for bits in (None, *KV_BITS, SPLIT_BITS):
         if bits is not None and group is None:
             continue  # no group size divides the head dim: the render says so
         per_token = shape.storage_bytes_per_token(bits, group or DEFAULT_GROUP_SIZE)
@@ -170,7 +170,7 @@ def render(p: dict[str, Any]) -> str:
     auto_memory = format_bytes(p["auto_kv_nbytes"])
     lines.append(f"storage       bytes per token, and tokens the auto KV memory ({auto_memory}) holds:")
     for m in p["storage_modes"]:
-        name = f"--kv-bits {m['kv_bits']}" if m["kv_bits"] else f"{8 * p['dtype_size']}-bit float"
+        name = f"--kv-bits {_bits_flag(m['kv_bits'])}" if m["kv_bits"] else f"{8 * p['dtype_size']}-bit float"
         lines.append(f"              {name:<13} {m['bytes_per_token']:>10,} B  {m['fits_tokens']:>12,} tokens")
     if len(p["storage_modes"]) == 1:
         lines.append(f"              --kv-bits needs a head dim divisible by {', '.join(map(str, GROUP_SIZES))}")
@@ -192,3 +192,7 @@ def run_info(args: argparse.Namespace) -> int:
     p = plan(args)
     print(json.dumps(p) if args.json else render(p))
     return 0
+
+
+def _bits_flag(bits: int | list[int] | tuple[int, int]) -> str:
+    return str(bits) if isinstance(bits, int) else ",".join(map(str, bits))
