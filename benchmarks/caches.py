@@ -10,7 +10,8 @@ mlx-lm's baselines go by these names:
 Everything else is an mlxevict policy name (``mlxevict.policy_names()``); a policy name
 with ``:q8`` or ``:q4`` (``default:q8``) stores what it keeps in 8 or 4 bits; ``:q4w8`` stores
 it in 4 bits with the recent window in 8 bits instead of full precision, ``:k5v3w8`` the same
-with keys in 5 bits and values in 3 (``make_cache(..., kv_bits=8)``, group size 64, full-precision window min(32, budget // 8)).
+with keys in 5 bits and values in 3 (``make_cache(..., kv_bits=8)``, group size 64, full-precision
+window min(32, budget // 8)).
 """
 
 from __future__ import annotations

@@ -176,7 +176,8 @@ def markdown(results: dict[str, Any]) -> str:
                 "at 2 bytes; the run itself uses float32 weights); mlx-lm's caches are counted by the entries they "
                 "hold, mlxevict's by their fixed allocation (the budget). mlxevict's `:q8`/`:q4` keep the newest "
                 "`window` tokens (min(32, budget/8)) in full precision, `:q4w8` and `:k5v3w8` (keys in 5 bits, "
-                "values in 3) in 8 bits; storage under 8 bits is rotated (`mlxevict.quantized.rotation_matrix`); the `+ positions, stats` column adds "
+                "values in 3) in 8 bits; storage under 8 bits is rotated (`mlxevict.quantized.rotation_matrix`); "
+                "the `+ positions, stats` column adds "
                 f"mlxevict's 8 bytes per slot and kv-head of bookkeeping. `default` is `{q['default_policy']}`.",
                 table(headers, body),
                 f"## Target: retrieval >= {t['reference']}'s ({_num(t['reference_retrieval'], '.2f')}), "

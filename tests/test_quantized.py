@@ -75,20 +75,22 @@ def test_8bit_window_holding_every_token_equals_mlx_lm_8bit_cache(arch):
     assert caches[0].n_full == 40 and caches[0].size() == 40
 
 
+@pytest.mark.parametrize("bits", [4, (5, 3)])
 @pytest.mark.parametrize("mask", [None, "causal", "array"])
-def test_quantized_attention_equals_attention_over_dequantized_entries(mask):
-    B, H, G, L, Q, F, D, bits = 1, 2, 3, 4, 20, 6, 64, 4
+def test_quantized_attention_equals_attention_over_dequantized_entries(mask, bits):
+    B, H, G, L, Q, F, D = 1, 2, 3, 4, 20, 6, 64
+    key_bits, value_bits = (bits, bits) if isinstance(bits, int) else bits
     k = mx.random.split(mx.random.key(0), 5)
     queries = mx.random.normal((B, H * G, L, D), key=k[0])
-    q_keys = mx.quantize(mx.random.normal((B, H, Q, D), key=k[1]), group_size=GROUP, bits=bits)
-    q_values = mx.quantize(mx.random.normal((B, H, Q, D), key=k[2]), group_size=GROUP, bits=bits)
+    q_keys = mx.quantize(mx.random.normal((B, H, Q, D), key=k[1]), group_size=GROUP, bits=key_bits)
+    q_values = mx.quantize(mx.random.normal((B, H, Q, D), key=k[2]), group_size=GROUP, bits=value_bits)
     f_keys, f_values = mx.random.normal((B, H, F, D), key=k[3]), mx.random.normal((B, H, F, D), key=k[4])
     if mask == "array":
         mask = mx.random.uniform(shape=(L, Q + F), key=k[0]) > 0.3
         mask[:, 0] = True
     got = quantized_attention(queries, (q_keys, f_keys), (q_values, f_values), 0.125, mask, GROUP, bits)
-    keys = mx.concatenate([mx.dequantize(*q_keys, group_size=GROUP, bits=bits), f_keys], axis=2)
-    values = mx.concatenate([mx.dequantize(*q_values, group_size=GROUP, bits=bits), f_values], axis=2)
+    keys = mx.concatenate([mx.dequantize(*q_keys, group_size=GROUP, bits=key_bits), f_keys], axis=2)
+    values = mx.concatenate([mx.dequantize(*q_values, group_size=GROUP, bits=value_bits), f_values], axis=2)
     expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=mask)
     assert mx.allclose(got, expected, atol=1e-4).item()
 
@@ -124,8 +126,8 @@ def test_rotated_attention_equals_attention_over_unrotated_entries(mask):
     assert not mx.allclose(unrotated, expected, atol=2e-2).item()
 
 
-@pytest.mark.parametrize("bits, rotated", [(4, True), (8, False)])
-def test_rotation_is_on_at_4_bits_and_policies_see_unrotated_keys(bits, rotated):
+@pytest.mark.parametrize("bits, rotated", [(4, True), (8, False), ((5, 3), True), ((8, 4), True)])
+def test_rotation_is_on_under_8_bits_and_policies_see_unrotated_keys(bits, rotated):
     model = small_model(layers=1)
     caches = make_cache(model, "default", budget=64, kv_bits=bits, kv_group_size=GROUP, full_precision_window=8)
     plain = make_cache(model, "default", budget=64)
@@ -174,7 +176,7 @@ def test_budget_and_invariants_hold_for_every_policy(policy, bits):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     policy=st.sampled_from(EVICTING),
-    bits=st.sampled_from([8, 4, "4w8"]),
+    bits=st.sampled_from([8, 4, "4w8", "5,3w8"]),
     budget=st.integers(min_value=24, max_value=64),
     full=st.integers(min_value=0, max_value=12),
     chunks=st.lists(st.integers(min_value=1, max_value=30), min_size=2, max_size=6),
@@ -188,8 +190,8 @@ def test_budget_holds_after_every_chunk(policy, bits, budget, full, chunks):
         sinks=3,
         window=4,
         slack=2,
-        kv_bits=4 if bits == "4w8" else bits,
-        window_bits=8 if bits == "4w8" else None,
+        kv_bits={"4w8": 4, "5,3w8": (5, 3)}.get(bits, bits),
+        window_bits=8 if isinstance(bits, str) else None,
         kv_group_size=GROUP,
         full_precision_window=full,
     )
@@ -201,7 +203,7 @@ def test_budget_holds_after_every_chunk(policy, bits, budget, full, chunks):
         check_invariants(caches, seen, sinks=3)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, (5, 3)])
 def test_compaction_moves_every_quantized_component(bits):
     """Layer 0's keys do not depend on the cache: the kept ones must be exactly the plain cache's, quantized."""
     model = small_model()
@@ -216,14 +218,16 @@ def test_compaction_moves_every_quantized_component(bits):
     p, q = plain[0], quant[0]
     assert mx.array_equal(p.positions, q.positions).item() and q.evictions > 5
     n_quant = q.size() - q.n_full
-    for stored, full, dense in ((q.keys, q.fp_keys, p.keys), (q.values, q.fp_values, p.values)):
-        expected = mx.quantize(dense[..., :n_quant, :], group_size=GROUP, bits=bits)
+    key_bits, value_bits = (bits, bits) if isinstance(bits, int) else bits
+    kinds = ((q.keys, q.fp_keys, p.keys, key_bits), (q.values, q.fp_values, p.values, value_bits))
+    for stored, full, dense, b in kinds:
+        expected = mx.quantize(dense[..., :n_quant, :], group_size=GROUP, bits=b)
         assert all(mx.array_equal(x[..., :n_quant, :], e).item() for x, e in zip(stored, expected))
         assert mx.array_equal(full[..., : q.n_full, :], dense[..., n_quant : q.size(), :]).item()
-    assert mx.array_equal(q.dense_keys[..., :n_quant, :], dequantized(q.keys, n_quant, bits)).item()
+    assert mx.array_equal(q.dense_keys[..., :n_quant, :], dequantized(q.keys, n_quant, key_bits)).item()
 
 
-@pytest.mark.parametrize("bits, window_bits", [(8, None), (4, None), (4, 8)])
+@pytest.mark.parametrize("bits, window_bits", [(8, None), (4, None), (4, 8), ((5, 3), 8)])
 @pytest.mark.parametrize("policy", ["default", "uncertainty", "knorm"])
 def test_save_and_load_continue_identically(policy, bits, window_bits, tmp_path):
     """At 4 bits the storage is rotated: the reloaded cache must rotate the same way."""
@@ -237,7 +241,7 @@ def test_save_and_load_continue_identically(policy, bits, window_bits, tmp_path)
     save_prompt_cache(path, caches)
     loaded = load_prompt_cache(path)
     assert all(type(c) is QuantizedEvictingKVCache and c.kv_bits == bits for c in loaded)
-    assert all(c.kv_rotate is (bits == 4) and c.window_bits == window_bits for c in loaded)
+    assert all(c.kv_rotate is (bits != 8) and c.window_bits == window_bits for c in loaded)
     rest = [1] * 18
     expected = run_chunks(model, caches, tokens[42:], rest)
     got = run_chunks(model, loaded, tokens[42:], rest)
@@ -269,7 +273,7 @@ def test_full_and_compress_modes_resize_quantized_storage():
     assert compress[0].size() == 24
 
 
-@pytest.mark.parametrize("bits, low, high", [(8, 0.5, 0.56), (4, 0.25, 0.3)])
+@pytest.mark.parametrize("bits, low, high", [(8, 0.5, 0.56), (4, 0.25, 0.3), ((5, 3), 0.25, 0.3)])
 def test_nbytes_is_about_half_or_quarter_of_float16(bits, low, high):
     model = tiny_model("llama", head_dim=64, hidden_size=128)
     model.set_dtype(mx.float16)
@@ -306,7 +310,10 @@ def test_8bit_window_costs_its_tokens_in_8_bits():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(kv_bits=3), r"kv_bits=3 is not supported; use 8 or 4"),
+        (dict(kv_bits=3), r"kv_bits=3 is not supported; use 8 or 4, a \(key bits, value bits\) pair"),
+        (dict(kv_bits=(7, 3)), r"kv_bits=\(7, 3\) is not supported"),
+        (dict(kv_bits=(5, 3, 2)), r"kv_bits=\(5, 3, 2\) is not supported"),
+        (dict(kv_bits=(8, 4), kv_group_size=GROUP, window_bits=8), r"window_bits=8 with kv_bits=\(8, 4\)"),
         (dict(kv_bits=16), r"kv_bits=16 is not supported"),
         (dict(kv_bits=8, kv_group_size=48), r"kv_group_size=48 is not supported by mx.quantize; use 32, 64 or 128"),
         (

@@ -57,7 +57,8 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="BITS",
         help="store the kept KV entries in 8 or 4 bits, or keys and values apart as KEY,VALUE bits (5,3: the "
-        "bytes of 4 bits, keys finer); the newest --fp-window tokens stay in full precision; default: the model's dtype",
+        "bytes of 4 bits, keys finer); the newest --fp-window tokens stay in full precision; "
+        "default: the model's dtype",
     )
     group.add_argument(
         "--kv-group-size",
