@@ -92,3 +92,13 @@ def test_speed_ratios_are_medians_of_per_round_ratios():
     (ratio,) = kv_bits.speed_ratios(decode)
     assert ratio["cache"] == "default:q8" and ratio["versus"] == "quantized8"
     assert ratio["ratio"] == pytest.approx(0.9) and ratio["rounds"] == 3
+
+
+def test_a_key_value_pair_is_compared_at_the_same_bytes():
+    decode = [
+        {"cache": "quantized4", "round_tok_s": [10.0, 10.0], "decode_tok_s": 10.0},
+        {"cache": "quantized8", "round_tok_s": [20.0, 20.0], "decode_tok_s": 20.0},
+        {"cache": "default:k5v3w8", "round_tok_s": [8.0, 7.0], "decode_tok_s": 7.5},
+    ]
+    (ratio,) = kv_bits.speed_ratios(decode)
+    assert ratio["versus"] == "quantized4" and ratio["ratio"] == pytest.approx(0.75)
