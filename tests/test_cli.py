@@ -436,6 +436,9 @@ def test_kv_bits_memory_budget_buys_more_tokens(capsys, tiny32):
     plain = json.loads(cli(capsys, *args)[1])["budget"]
     quantized = json.loads(cli(capsys, *args, "--kv-bits", "4", "--kv-group-size", "32")[1])["budget"]
     assert plain == 100_000 // 1024 and quantized == 100_000 // (2 * 2 * 2 * (16 + 2 * 4))
+    # keys in 5 bits (20 B + scale and bias) and values in 3 (12 B + 8): what 4 bits cost
+    split = json.loads(cli(capsys, *args, "--kv-bits", "5,3", "--kv-group-size", "32")[1])["budget"]
+    assert split == 100_000 // (2 * 2 * ((20 + 8) + (12 + 8))) == quantized
 
 
 @pytest.mark.parametrize(
