@@ -62,7 +62,10 @@ def make_cache(
     options: dict[str, Any] = dict(sinks=sinks, window=window, slack=slack, prompt_mode=prompt_mode, pinned=pinned)
     cls = EvictingKVCache
     if window_bits is not None and kv_bits is None:
-        raise ValueError(f"window_bits={window_bits} needs kv_bits=4: it is the recent window's storage below 8 bits")
+        raise ValueError(
+            f"window_bits={window_bits} needs kv_bits under 8, such as 4 or (5, 3): it stores the recent "
+            "window in 8 bits when the rest takes fewer"
+        )
     if kv_bits is not None:
         check_storage(kv_bits, kv_group_size, (model_head_dim(model),), window_bits)
         cls = QuantizedEvictingKVCache

@@ -4,14 +4,14 @@
 stores what it keeps with ``mx.quantize`` (packed ``uint32`` words plus a scale
 and a bias per group of ``kv_group_size`` values, as mlx-lm's
 ``QuantizedKVCache``). The newest ``full_precision_window`` tokens (the recent
-window) stay in the model's dtype, or in 8 bits under 4-bit storage with
+window) stay in the model's dtype, or in 8 bits under storage below 8 bits with
 ``window_bits=8``, and are folded into quantized storage one by one as newer
 tokens arrive (KIVI, https://arxiv.org/abs/2402.02750, keeps such a residual
 too); they are never evicted while in the window.
 
 Keys and values may take different bits (``kv_bits=(5, 3)``: the bytes of 4 bits):
 on the test model the error of 4-bit storage comes from the keys (8-bit keys with
-4-bit values: KL 0.0024; the reverse: 0.0083; README, "Evict and quantize").
+4-bit values: KL 0.0024; the reverse: 0.0089; README, "Keys and values apart").
 
 Below 8 bits, keys and values are stored rotated by a fixed orthogonal matrix ``R``
 (a Hadamard matrix with random signs; QuaRot, https://arxiv.org/abs/2404.00456):

@@ -323,7 +323,7 @@ def test_8bit_window_costs_its_tokens_in_8_bits():
         (dict(kv_bits=4, kv_group_size=GROUP, full_precision_window=-1), r"full_precision_window=-1 must be"),
         (dict(kv_bits=8, kv_group_size=GROUP, window_bits=8), r"window_bits=8 with kv_bits=8: the recent window"),
         (dict(kv_bits=4, kv_group_size=GROUP, window_bits=4), r"window_bits=4 with kv_bits=4"),
-        (dict(window_bits=8), r"window_bits=8 needs kv_bits=4"),
+        (dict(window_bits=8), r"window_bits=8 needs kv_bits under 8, such as 4 or \(5, 3\)"),
         (
             dict(kv_bits=4, kv_group_size=GROUP, budget=40, full_precision_window=36),
             r"full_precision_window=36 leaves no room",

@@ -167,7 +167,7 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.window_bits is not None and max(key_value_bits(args.kv_bits)) >= 8:
         raise MlxEvictError(
             f"--window-bits {args.window_bits} needs --kv-bits under 8, such as 4 or 5,3 (an 8-bit window "
-            "under finer storage)"
+            "when the rest takes fewer bits)"
         )
     if args.fp_window is not None and args.fp_window < 0:
         raise MlxEvictError(f"--fp-window {args.fp_window} must be a number of tokens >= 0")

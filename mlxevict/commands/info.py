@@ -74,7 +74,7 @@ def _weights_size(resolved, config_weights: int) -> tuple[Optional[int], str]:
 
 
 def storage_modes(shape, kv_memory: int) -> list[dict[str, Any]]:
-    """Bytes per token and the tokens ``kv_memory`` holds: the model's dtype, then 8 and 4 bits."""
+    """Bytes per token and the tokens ``kv_memory`` holds: the model's dtype, 8 and 4 bits, 5/3 bits."""
     group = next((g for g in (DEFAULT_GROUP_SIZE, *GROUP_SIZES) if shape.head_dim % g == 0), None)
     modes = []
     for bits in (None, *KV_BITS, SPLIT_BITS):
