@@ -83,7 +83,7 @@ def add_eval_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "eval",
         help="quality vs budget and KV bytes: retrieval, fidelity, generation agreement",
-        description="Evaluate every policy, the default policy stored in 8 and 4 bits, and mlx-lm's caches at "
+        description="Evaluate every policy, the default policy stored in 8, 4 and 5/3 bits, and mlx-lm's caches at "
         "budgets that are fractions of the context; plot quality against kept fraction (eval.png) and against "
         "KV bytes relative to a 16-bit full cache (eval_bytes.png).",
     )
