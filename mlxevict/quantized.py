@@ -69,10 +69,7 @@ def check_storage(
         head_dims: the key and value head dims, when known.
         window_bits: ``None`` or 8 (when keys and values are both under 8 bits).
     """
-    pair = isinstance(kv_bits, (tuple, list)) and len(kv_bits) == 2
-    if not (pair and all(b in PAIR_BITS and not isinstance(b, bool) for b in kv_bits)) and (
-        kv_bits not in KV_BITS or isinstance(kv_bits, bool)
-    ):
+    if not _supported_bits(kv_bits):
         raise ValueError(
             f"kv_bits={kv_bits!r} is not supported; use 8 or 4, a (key bits, value bits) pair of "
             f"{', '.join(map(str, PAIR_BITS))} such as (5, 3), or None to store the model's dtype"
@@ -89,6 +86,12 @@ def check_storage(
             fits = [str(g) for g in GROUP_SIZES if dim % g == 0]
             fix = f"use --kv-group-size {' or '.join(fits)}" if fits else "store this model's KV unquantized"
             raise ValueError(f"kv_group_size={group_size} does not divide the head dim {dim}; {fix}")
+
+
+def _supported_bits(kv_bits: Any) -> bool:
+    if isinstance(kv_bits, (tuple, list)):
+        return len(kv_bits) == 2 and all(b in PAIR_BITS and not isinstance(b, bool) for b in kv_bits)
+    return kv_bits in KV_BITS and not isinstance(kv_bits, bool)
 
 
 def key_value_bits(kv_bits: KVBits) -> tuple[int, int]:
@@ -437,7 +440,7 @@ class QuantizedEvictingKVCache(EvictingKVCache):
     def _restore(self, meta: dict[str, Any], **storage: Any) -> None:
         super()._restore(
             meta,
-            kv_bits=meta["kv_bits"] if isinstance(meta["kv_bits"], int) else tuple(meta["kv_bits"]),
+            kv_bits=meta["kv_bits"],  # a pair comes back from JSON as a list; the constructor makes it a tuple
             kv_group_size=meta["kv_group_size"],
             full_precision_window=meta["full_precision_window"],
             kv_rotate=meta.get("kv_rotate", False),

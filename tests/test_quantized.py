@@ -11,7 +11,7 @@ from tiny_models import random_tokens, run_chunks, tiny_model
 
 import mlxevict
 from mlxevict import QuantizedEvictingKVCache, make_cache, policy_names
-from mlxevict.quantized import quantized_attention, rotation_matrix
+from mlxevict.quantized import key_value_bits, quantized_attention, rotation_matrix
 
 EVICTING = [p for p in policy_names() if p != "full"]
 GROUP = 32  # tiny models have head_dim 32 here: mx.quantize's smallest group
@@ -79,7 +79,7 @@ def test_8bit_window_holding_every_token_equals_mlx_lm_8bit_cache(arch):
 @pytest.mark.parametrize("mask", [None, "causal", "array"])
 def test_quantized_attention_equals_attention_over_dequantized_entries(mask, bits):
     B, H, G, L, Q, F, D = 1, 2, 3, 4, 20, 6, 64
-    key_bits, value_bits = (bits, bits) if isinstance(bits, int) else bits
+    key_bits, value_bits = key_value_bits(bits)
     k = mx.random.split(mx.random.key(0), 5)
     queries = mx.random.normal((B, H * G, L, D), key=k[0])
     q_keys = mx.quantize(mx.random.normal((B, H, Q, D), key=k[1]), group_size=GROUP, bits=key_bits)
@@ -218,7 +218,7 @@ def test_compaction_moves_every_quantized_component(bits):
     p, q = plain[0], quant[0]
     assert mx.array_equal(p.positions, q.positions).item() and q.evictions > 5
     n_quant = q.size() - q.n_full
-    key_bits, value_bits = (bits, bits) if isinstance(bits, int) else bits
+    key_bits, value_bits = key_value_bits(bits)
     kinds = ((q.keys, q.fp_keys, p.keys, key_bits), (q.values, q.fp_values, p.values, value_bits))
     for stored, full, dense, b in kinds:
         expected = mx.quantize(dense[..., :n_quant, :], group_size=GROUP, bits=b)

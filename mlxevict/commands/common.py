@@ -13,7 +13,7 @@ from ..events import Finished
 from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_TEMP, DEFAULT_TOP_P
 from ..make import make_cache
 from ..policies import policy_names
-from ..quantized import DEFAULT_GROUP_SIZE, KVBits, bits_label, check_storage, key_value_bits
+from ..quantized import DEFAULT_GROUP_SIZE, PAIR_BITS, KVBits, bits_label, check_storage, key_value_bits
 from ..resolve import FAMILY_NAME, Resolved, load_model, resolve_model
 from ..telemetry import BudgetRequest, budget_tokens, format_bytes, kv_bytes_per_token, parse_budget
 
@@ -150,9 +150,9 @@ def kv_bits_option(text: str) -> KVBits:
         bits = parts[0] if len(parts) == 1 else tuple(parts)
         check_storage(bits, DEFAULT_GROUP_SIZE)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: use 8 or 4, or KEY,VALUE bits of 2, 3, 4, 5, 6 or 8 such as 5,3"
-        ) from None
+        pair_bits = f"{', '.join(map(str, PAIR_BITS[:-1]))} or {PAIR_BITS[-1]}"
+        message = f"{text!r}: use 8 or 4, or KEY,VALUE bits of {pair_bits} such as 5,3"
+        raise argparse.ArgumentTypeError(message) from None
     return bits
 
 
