@@ -4,8 +4,9 @@ mlx-lm's baselines go by these names:
 
 - ``kvcache``: ``KVCache``, the full cache and the reference for quality and speed;
 - ``rotating``: ``RotatingKVCache(max_size=budget, keep=sinks)``, mlx-lm's ``--max-kv-size``;
-- ``quantized8`` / ``quantized4``: ``QuantizedKVCache(group_size=64, bits=8|4)``, mlx-lm's
-  ``--kv-bits``; they keep every token, so they take no budget.
+- ``quantized8`` / ``quantized4`` / ``quantized3``: ``QuantizedKVCache(group_size=64, bits=8|4|3)``,
+  mlx-lm's ``--kv-bits``; they keep every token, so they take no budget (3 bits is the one that fits
+  in a quarter of a 16-bit cache's memory).
 
 Everything else is an mlxevict policy name (``mlxevict.policy_names()``); a policy name
 with ``:q8`` or ``:q4`` (``default:q8``) stores what it keeps in 8 or 4 bits; ``:q4w8`` stores
@@ -29,8 +30,9 @@ from mlxevict.cache import DEFAULT_BUDGET, DEFAULT_SINKS, default_slack, default
 from mlxevict.policies import make_policy
 
 REFERENCE = "kvcache"
-MLX_LM_CACHES = ("kvcache", "rotating", "quantized8", "quantized4")
-UNBUDGETED = ("kvcache", "quantized8", "quantized4", "full")
+QUANTIZED_BASELINES = {"quantized8": 8, "quantized4": 4, "quantized3": 3}  # name: bits
+MLX_LM_CACHES = ("kvcache", "rotating", *QUANTIZED_BASELINES)
+UNBUDGETED = ("kvcache", *QUANTIZED_BASELINES, "full")
 QUANT_GROUP = 64
 
 
@@ -126,15 +128,14 @@ def make_caches(model: nn.Module, name: str, budget: int | None, settings: Cache
         return [KVCache() for _ in range(layers)]
     if name == "rotating":
         return [RotatingKVCache(max_size=budget, keep=settings.sinks) for _ in range(layers)]
-    if name in ("quantized8", "quantized4"):
-        bits = int(name[-1])
+    if name in QUANTIZED_BASELINES:
         head_dim = getattr(model.args, "head_dim", None) or model.args.hidden_size // model.args.num_attention_heads
         if head_dim % QUANT_GROUP:
             raise ValueError(
                 f"{name}: head_dim {head_dim} is not a multiple of mlx-lm's group size {QUANT_GROUP}; "
                 "leave the quantized caches out of --policies for this model"
             )
-        return [QuantizedKVCache(group_size=QUANT_GROUP, bits=bits) for _ in range(layers)]
+        return [QuantizedKVCache(group_size=QUANT_GROUP, bits=QUANTIZED_BASELINES[name]) for _ in range(layers)]
     # "full" never evicts: its budget is never reached, any valid number will do.
     size = budget if takes_budget(name) else DEFAULT_BUDGET
     policy, storage = split_storage(name)
@@ -143,6 +144,35 @@ def make_caches(model: nn.Module, name: str, budget: int | None, settings: Cache
     return mlxevict.make_cache(
         model, policy, size, sinks=settings.sinks, window=settings.window, slack=settings.slack, **storage
     )
+
+
+def entries_within(model: nn.Module, name: str, fraction: float, context: int, settings: CacheSettings) -> int:
+    """The most entries per layer whose KV fits ``fraction`` of a 16-bit full cache of ``context`` tokens.
+
+    Bytes as :func:`kv_bytes_16bit` counts them. mlxevict's caches allocate their
+    budget at their first token, so a budget's bytes are measured on one token, not
+    modelled (a window in other bits than the rest is not linear in the budget);
+    ``rotating`` holds 16-bit entries. At most ``context`` entries.
+    """
+    limit = int(fraction * context * layer_kv_bytes_per_token(model, 2))
+    if name == "rotating":
+        return min(context, limit // layer_kv_bytes_per_token(model, 2))
+
+    def fits(budget: int) -> bool:
+        try:
+            caches = make_caches(model, name, budget, settings)
+        except ValueError:  # below the protected entries: smaller than any budget that runs
+            return True
+        model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+        return kv_bytes_16bit(caches) <= limit
+
+    if fits(context):
+        return context
+    lo, hi = 1, context  # fits(lo) is assumed (one entry), fits(hi) is false
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def kv_bytes(caches: Sequence[Any]) -> int:

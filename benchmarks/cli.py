@@ -84,12 +84,18 @@ def add_eval_parser(subparsers: Any) -> None:
         "eval",
         help="quality vs budget and KV bytes: retrieval, fidelity, generation agreement",
         description="Evaluate every policy, the default policy stored in 8, 4 and 5/3 bits, and mlx-lm's caches at "
-        "budgets that are fractions of the context; plot quality against kept fraction (eval.png) and against "
+        "budgets that are fractions of the context (with --memory, of its KV bytes at 16 bits); plot quality against kept fraction (eval.png) and against "
         "KV bytes relative to a 16-bit full cache (eval_bytes.png).",
     )
     _common(p)
     p.add_argument("--budgets", type=_fractions, default=None, help="fractions of the context (default 0.5,0.25,0.125)")
     p.add_argument("--context", type=int, default=None, help="tokens per retrieval/fidelity sequence (default 512)")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="budgets are fractions of a 16-bit full cache's KV bytes, not of its tokens: each cache keeps as "
+        "many entries as its storage fits (quality per byte of memory)",
+    )
     p.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per generation prompt (default 64)")
     p.set_defaults(func=_run_eval)
 
@@ -153,7 +159,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         for k, v in dict(context=args.context, fractions=args.budgets, new_tokens=args.new_tokens).items()
         if v is not None
     }
-    config = EvalConfig(names=names, settings=_settings(args), seed=args.seed, **{**quick, **given})
+    config = EvalConfig(names=names, settings=_settings(args), seed=args.seed, memory=args.memory, **{**quick, **given})
     model, tokenizer, model_name = _load(args.model)
     started = time.perf_counter()
     bar = ProgressBar(len(config.runs()) + 1)

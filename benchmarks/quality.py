@@ -13,7 +13,9 @@ Three measurements, all against mlx-lm's ``KVCache`` run on the same inputs:
   end-of-turn token, capped at ``new_tokens``).
 
 Retrieval and fidelity rows run as one batch, so each cache is driven once per
-budget. Budgets are fractions of the context (prompt plus generated tokens).
+budget. Budgets are fractions of the context (prompt plus generated tokens), or
+with ``memory`` fractions of a 16-bit full cache's KV bytes at that context: then
+each cache keeps as many entries as its storage fits.
 Note that a batch shares one eviction schedule: ``uncertainty`` adapts its budget
 to the mean ``H(p_t)`` over the batch's rows.
 """
@@ -34,6 +36,7 @@ from .caches import (
     REFERENCE,
     CacheSettings,
     check_budget,
+    entries_within,
     kv_bytes,
     kv_bytes_16bit,
     make_caches,
@@ -62,6 +65,7 @@ class EvalConfig:
     step: int = DEFAULT_STEP
     seed: int = 0
     settings: CacheSettings = field(default_factory=CacheSettings)
+    memory: bool = False  # budgets are fractions of a 16-bit full cache's KV bytes, not of its tokens
 
     @property
     def generation_context(self) -> int:
@@ -74,11 +78,14 @@ class EvalConfig:
             out += [(name, f) for f in self.fractions] if takes_budget(name) else [(name, None)]
         return out
 
-    def budgets(self, fraction: float | None) -> tuple[int | None, int | None]:
-        """Entries per layer for the teacher-forced tasks and for generation at ``fraction``."""
+    def budgets(self, model: nn.Module, name: str, fraction: float | None) -> tuple[int | None, int | None]:
+        """Entries per layer of ``name`` for the teacher-forced tasks and for generation at ``fraction``."""
         if fraction is None:
             return None, None
-        return max(1, round(fraction * self.context)), max(1, round(fraction * self.generation_context))
+        contexts = (self.context, self.generation_context)
+        if self.memory:
+            return tuple(entries_within(model, name, fraction, L, self.settings) for L in contexts)
+        return tuple(max(1, round(fraction * L)) for L in contexts)
 
 
 @dataclass
@@ -232,10 +239,19 @@ def _release(reset_peak: bool) -> None:
 
 
 def measure(
-    model: nn.Module, name: str, fraction: float | None, work: Workload, config: EvalConfig, ref: Reference | None
+    model: nn.Module,
+    name: str,
+    fraction: float | None,
+    budgets: tuple[int | None, int | None],
+    work: Workload,
+    config: EvalConfig,
+    ref: Reference | None,
 ) -> tuple[dict[str, Any], Reference]:
-    """Run every task with one cache; return its row (and, for the reference, what it did)."""
-    budget, gen_budget = config.budgets(fraction)
+    """Run every task with one cache; return its row (and, for the reference, what it did).
+
+    ``budgets``: entries per layer for the teacher-forced tasks and for generation.
+    """
+    budget, gen_budget = budgets
     _release(reset_peak=True)
     started = time.perf_counter()
     caches = make_caches(model, name, budget, config.settings)
@@ -308,25 +324,25 @@ def run_eval(model: nn.Module, tokenizer: Any, config: EvalConfig, progress: Pro
     import mlxevict
 
     work = build_workload(tokenizer, config)
-    runs, skipped = [], []
-    for name, fraction in config.runs():
-        budget, gen_budget = config.budgets(fraction)
-        why = None
-        if budget is not None:
-            why = check_budget(name, budget, config.settings) or check_budget(name, gen_budget, config.settings)
-        if why:
-            skipped.append({"cache": name, "budget_fraction": fraction, "reason": why})
-        elif name != REFERENCE:
-            runs.append((name, fraction))
     rows: list[dict[str, Any]] = []
     ref = None
     with mlxevict.patched(model):
+        runs, skipped = [], []
+        for name, fraction in config.runs():
+            budgets = config.budgets(model, name, fraction)
+            why = None
+            if fraction is not None:
+                why = check_budget(name, budgets[0], config.settings) or check_budget(name, budgets[1], config.settings)
+            if why:
+                skipped.append({"cache": name, "budget_fraction": fraction, "reason": why})
+            elif name != REFERENCE:
+                runs.append((name, fraction, budgets))
         # Warm up (weights paged in, kernels built) so the reference's timing is not the slowest.
         greedy(model, make_caches(model, REFERENCE, None, config.settings), work.prompts[:, :16], 4)
-        for name, fraction in [(REFERENCE, None), *runs]:
+        for name, fraction, budgets in [(REFERENCE, None, (None, None)), *runs]:
             if progress:
                 progress(name if fraction is None else f"{name} @ {fraction:g}")
-            row, ref = measure(model, name, fraction, work, config, ref)
+            row, ref = measure(model, name, fraction, budgets, work, config, ref)
             rows.append(row)
     base = rows[0]
     for row in rows:
@@ -342,6 +358,7 @@ def run_eval(model: nn.Module, tokenizer: Any, config: EvalConfig, progress: Pro
             "context": config.context,
             "generation_context": config.generation_context,
             "fractions": list(config.fractions),
+            "budgets_of": "memory" if config.memory else "context",
             "retrieval_tasks": config.retrieval,
             "retrieval_answers_total": sum(len(t.answers) for t in work.retrieval),
             "retrieval_answers_solved_by_full_cache": sum(map(sum, ref.solved)),

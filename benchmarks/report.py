@@ -46,6 +46,15 @@ def _label(row: dict[str, Any], default_policy: str) -> str:
     return f"{name} (= default{':' + storage if storage else ''})" if base == default_policy else name
 
 
+def _budget_note(cfg: dict[str, Any]) -> str:
+    if cfg.get("budgets_of") == "memory":
+        return (
+            "budget = fraction of the KV bytes of a 16-bit full cache at that context; each cache keeps the "
+            "entries per layer (in brackets) its storage fits in them"
+        )
+    return "budget = fraction of the context, entries per layer (in brackets)"
+
+
 def eval_markdown(results: dict[str, Any]) -> str:
     """The eval table: one line per cache and budget, the full cache first."""
     cfg = results["config"]
@@ -75,7 +84,7 @@ def eval_markdown(results: dict[str, Any]) -> str:
     ]  # fmt: skip
     notes = [
         f"Context {cfg['context']} tokens (generation: {cfg['prompt_tokens']} prompt + {cfg['new_tokens']} "
-        f"generated); budget = fraction of the context, entries per layer. Retrieval accuracy over the "
+        f"generated); {_budget_note(cfg)}. Retrieval accuracy over the "
         f"{cfg['retrieval_answers_solved_by_full_cache']} of {cfg['retrieval_answers_total']} answers the full "
         "cache gets right. Fidelity over the second half of "
         f"{cfg['fidelity_texts']} natural texts; generation agreement: greedy tokens equal to the full cache's "
@@ -172,7 +181,11 @@ def plot_eval(results: dict[str, Any], path: Path) -> Path:
                 label=name, markersize=4, color=colors[i % len(colors)],
             )  # fmt: skip
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("kept fraction (budget / context; bytes for quantized)")
+        ax.set_xlabel(
+            "budget (fraction of a 16-bit full cache's KV bytes)"
+            if results["config"].get("budgets_of") == "memory"
+            else "kept fraction (budget / context; bytes for quantized)"
+        )
         ax.set_title(title)
         ax.grid(alpha=0.3)
     max(axes, key=lambda ax: len(ax.get_lines())).legend(fontsize=7, ncol=2)

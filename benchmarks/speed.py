@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
-from .caches import MLX_LM_CACHES, REFERENCE, CacheSettings, check_budget, kv_bytes, make_caches
+from .caches import MLX_LM_CACHES, REFERENCE, CacheSettings, check_budget, kv_bytes, make_caches, takes_budget
 
 ROTATING = "rotating"
 DEFAULT_CONTEXTS = (256, 512, 1024)  # 2048+ with the quantized caches is slow on a CPU; --contexts
@@ -119,7 +119,7 @@ def bench_decode(model: nn.Module, config: BenchConfig, progress: Progress | Non
             {
                 "cache": name,
                 "kind": "mlx-lm" if name in MLX_LM_CACHES else "mlxevict",
-                "budget": config.budget if name not in ("kvcache", "quantized8", "quantized4", "full") else None,
+                "budget": config.budget if takes_budget(name) else None,
                 "tokens": s["tokens"],
                 "decode_tok_s": (s["tokens"] - 1) / s["seconds"] if s["seconds"] else None,
                 "decode_tok_s_median": statistics.median(s["rates"]) if s["rates"] else None,
@@ -159,7 +159,7 @@ def bench_context(model: nn.Module, config: BenchConfig, progress: Progress | No
             row[key.replace("_tok_s", "") + "_ratio"] = statistics.median(
                 r[key] / b[key] for r, b in zip(runs, ref) if b[key]
             )
-        row["budget"] = config.budget if name not in ("kvcache", "quantized8", "quantized4", "full") else None
+        row["budget"] = config.budget if takes_budget(name) else None
         rows.append(row)
     return rows
 

@@ -161,6 +161,45 @@ def test_eval_end_to_end_structure(model, tmp_path):
     assert all(p.exists() and p.stat().st_size > 0 for p in paths)
 
 
+def _bytes_at(model, name, budget):
+    caches = bcaches.make_caches(model, name, budget, bcaches.CacheSettings())
+    model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+    return bcaches.kv_bytes_16bit(caches)
+
+
+@pytest.mark.parametrize("name", ["default", "snapkv:q8", "default:q4w8", "default:k5v3w8"])
+def test_memory_budget_is_the_most_entries_that_fit(model, name):
+    context, fraction = 400, 0.25
+    limit = fraction * context * bcaches.layer_kv_bytes_per_token(model, 2)
+    budget = bcaches.entries_within(model, name, fraction, context, bcaches.CacheSettings())
+    assert _bytes_at(model, name, budget) <= limit < _bytes_at(model, name, budget + 1)
+
+
+def test_memory_budgets_buy_quantized_storage_more_entries(model):
+    settings = bcaches.CacheSettings()
+    entries = {n: bcaches.entries_within(model, n, 0.25, 400, settings) for n in ("rotating", "default", "default:k5v3w8")}
+    assert entries["rotating"] == entries["default"] == 100  # 16-bit entries: a quarter of the tokens
+    assert entries["default:k5v3w8"] > 3 * entries["default"]
+    assert bcaches.entries_within(model, "default:q8", 1.0, 400, settings) == 400  # never more than the context
+
+
+def test_eval_with_memory_budgets(model, tmp_path):
+    names = ("kvcache", "rotating", "default", "default:k5v3w8", "quantized3")
+    config = quality.EvalConfig(
+        names=names, context=400, fractions=(0.25,), retrieval=2, fidelity=1, generation=2,
+        prompt_tokens=240, new_tokens=12, memory=True,
+    )  # fmt: skip
+    results = quality.run_eval(model, TOK, config)
+    rows = {r["cache"]: r for r in results["rows"]}
+    assert results["config"]["budgets_of"] == "memory" and set(rows) == set(names)
+    assert rows["default:k5v3w8"]["budget"] > 3 * rows["default"]["budget"]
+    for name in ("rotating", "default", "default:k5v3w8"):
+        assert 0.2 < rows[name]["kv_fraction_16bit"] <= 0.25, name
+    assert rows["quantized3"]["kv_fraction_16bit"] < rows["kvcache"]["kv_fraction_16bit"] / 4
+    report.write_eval(results, tmp_path)
+    assert "fraction of the KV bytes of a 16-bit full cache" in (tmp_path / "eval.md").read_text()
+
+
 def test_bench_end_to_end_structure(model, tmp_path):
     names = tuple(bcaches.default_names())
     config = speed.BenchConfig(
@@ -186,7 +225,8 @@ def test_cli_parsers_and_bad_budgets():
     bcli.add_eval_parser(sub)
     bcli.add_bench_parser(sub)
     args = parser.parse_args(["eval", "demo", "--quick", "--budgets", "0.5,0.25", "--policies", "rkv"])
-    assert args.budgets == (0.5, 0.25) and args.quick and args.func is bcli._run_eval
+    assert args.budgets == (0.5, 0.25) and args.quick and args.func is bcli._run_eval and not args.memory
+    assert parser.parse_args(["eval", "demo", "--memory"]).memory
     args = parser.parse_args(["bench", "demo", "--contexts", "128,256"])
     assert args.contexts == (128, 256) and args.func is bcli._run_bench
     with pytest.raises(SystemExit):
