@@ -84,8 +84,8 @@ def add_eval_parser(subparsers: Any) -> None:
         "eval",
         help="quality vs budget and KV bytes: retrieval, fidelity, generation agreement",
         description="Evaluate every policy, the default policy stored in 8, 4 and 5/3 bits, and mlx-lm's caches at "
-        "budgets that are fractions of the context (with --memory, of its KV bytes at 16 bits); plot quality against kept fraction (eval.png) and against "
-        "KV bytes relative to a 16-bit full cache (eval_bytes.png).",
+        "budgets that are fractions of the context (with --memory, of its KV bytes at 16 bits); plot quality "
+        "against kept fraction (eval.png) and against KV bytes relative to a 16-bit full cache (eval_bytes.png).",
     )
     _common(p)
     p.add_argument("--budgets", type=_fractions, default=None, help="fractions of the context (default 0.5,0.25,0.125)")

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional, Sequence
 import mlx.core as mx
 import psutil
 
-from .cache import EvictingKVCache
+from .cache import EvictingKVCache, default_window
 from .errors import MlxEvictError
 from .quantized import DEFAULT_GROUP_SIZE, KVBits, key_value_bits, storage_bytes
 from .stats import cache_stats
@@ -246,12 +246,46 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def tokens_within(
+    nbytes: int,
+    bytes_per_token: int,
+    window_bytes_per_token: Optional[int] = None,
+    full_precision_window: Optional[int] = None,
+) -> int:
+    """The most tokens whose KV fits ``nbytes``.
+
+    A quantized cache keeps its newest tokens (``full_precision_window``, default
+    ``min(32, budget // 8)``) at ``window_bytes_per_token`` (the model's dtype or
+    8 bits), so they are counted at that size; ``None``: every token costs the same.
+    """
+    tokens = max(0, nbytes) // max(1, bytes_per_token)
+    # The window costs at most a few dozen tokens more.
+    while tokens > 0 and held_nbytes(tokens, bytes_per_token, window_bytes_per_token, full_precision_window) > nbytes:
+        tokens -= 1
+    return tokens
+
+
+def held_nbytes(
+    tokens: int,
+    bytes_per_token: int,
+    window_bytes_per_token: Optional[int] = None,
+    full_precision_window: Optional[int] = None,
+) -> int:
+    """KV bytes of ``tokens`` entries, a quantized cache's window at its own size (:func:`tokens_within`)."""
+    if window_bytes_per_token is None:
+        return tokens * bytes_per_token
+    window = min(tokens, default_window(tokens) if full_precision_window is None else full_precision_window)
+    return (tokens - window) * bytes_per_token + window * window_bytes_per_token
+
+
 def fit_budget(
     bytes_per_token: int,
     available: int,
     *,
     fraction: float = AUTO_FRACTION,
     context_limit: Optional[int] = None,
+    window_bytes_per_token: Optional[int] = None,
+    full_precision_window: Optional[int] = None,
 ) -> int:
     """The budget (tokens per layer) whose KV takes ``fraction`` of ``available`` bytes.
 
@@ -260,11 +294,13 @@ def fit_budget(
         available: free bytes, after the weights are counted.
         fraction: the share of ``available`` the KV cache may take. Default 0.25.
         context_limit: cap at the model's context length (a budget above it never evicts).
+        window_bytes_per_token, full_precision_window: a quantized cache's window (:func:`tokens_within`).
 
     Returns:
         A positive multiple of 64, at least ``MIN_AUTO_BUDGET``.
     """
-    tokens = int(max(0, available) * fraction) // max(1, bytes_per_token)
+    nbytes = int(max(0, available) * fraction)
+    tokens = tokens_within(nbytes, bytes_per_token, window_bytes_per_token, full_precision_window)
     if context_limit:
         tokens = min(tokens, context_limit)
     return max(MIN_AUTO_BUDGET, tokens // 64 * 64)
@@ -382,6 +418,8 @@ def budget_tokens(
     context_limit: Optional[int] = None,
     kv_bits: Optional[KVBits] = None,
     kv_group_size: int = DEFAULT_GROUP_SIZE,
+    window_bits: Optional[int] = None,
+    full_precision_window: Optional[int] = None,
 ) -> int:
     """Tokens per layer for a :class:`BudgetRequest` and a model.
 
@@ -390,13 +428,19 @@ def budget_tokens(
         model_or_config: the model (see :func:`kv_shape`), for bytes per token.
         available: free bytes for ``auto``; default what the system has available now.
         context_limit: caps ``auto`` at the model's context length.
-        kv_bits, kv_group_size: the cache's storage; memory forms buy more tokens quantized.
+        kv_bits, kv_group_size, window_bits, full_precision_window: the cache's storage;
+            memory forms buy more tokens quantized, its window counted at its own size.
     """
     if request.tokens is not None:
         return request.tokens
-    per_token = kv_bytes_per_token(model_or_config, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    shape = kv_shape(model_or_config)
+    per_token = shape.storage_bytes_per_token(kv_bits, kv_group_size)
+    window = dict(
+        window_bytes_per_token=None if kv_bits is None else shape.storage_bytes_per_token(window_bits, kv_group_size),
+        full_precision_window=full_precision_window,
+    )
     if request.nbytes is not None:
-        return request.nbytes // per_token
+        return tokens_within(request.nbytes, per_token, **window)
     if available is None:
         available = psutil.virtual_memory().available
-    return fit_budget(per_token, available, context_limit=context_limit)
+    return fit_budget(per_token, available, context_limit=context_limit, **window)

@@ -177,7 +177,8 @@ def test_memory_budget_is_the_most_entries_that_fit(model, name):
 
 def test_memory_budgets_buy_quantized_storage_more_entries(model):
     settings = bcaches.CacheSettings()
-    entries = {n: bcaches.entries_within(model, n, 0.25, 400, settings) for n in ("rotating", "default", "default:k5v3w8")}
+    names = ("rotating", "default", "default:k5v3w8")
+    entries = {n: bcaches.entries_within(model, n, 0.25, 400, settings) for n in names}
     assert entries["rotating"] == entries["default"] == 100  # 16-bit entries: a quarter of the tokens
     assert entries["default:k5v3w8"] > 3 * entries["default"]
     assert bcaches.entries_within(model, "default:q8", 1.0, 400, settings) == 400  # never more than the context

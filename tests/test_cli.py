@@ -434,14 +434,43 @@ def test_generate_with_kv_bits(capsys, tiny32):
     assert results[None]["nbytes"] > results["8"]["nbytes"] > results["4"]["nbytes"] == results["5,3"]["nbytes"]
 
 
-def test_kv_bits_memory_budget_buys_more_tokens(capsys, tiny32):
+def test_a_memory_budget_stores_keys_in_5_bits_values_in_3_and_holds_to_its_bytes(capsys, tiny32):
     args = ("generate", tiny32, "-p", "hi", "--budget", "100KB", "--max-tokens", "2", "--json")
-    plain = json.loads(cli(capsys, *args)[1])["budget"]
-    quantized = json.loads(cli(capsys, *args, "--kv-bits", "4", "--kv-group-size", "32")[1])["budget"]
-    assert plain == 100_000 // 1024 and quantized == 100_000 // (2 * 2 * 2 * (16 + 2 * 4))
-    # keys in 5 bits (20 B + scale and bias) and values in 3 (12 B + 8): what 4 bits cost
-    split = json.loads(cli(capsys, *args, "--kv-bits", "5,3", "--kv-group-size", "32")[1])["budget"]
-    assert split == 100_000 // (2 * 2 * ((20 + 8) + (12 + 8))) == quantized
+    caches = {}
+    for bits in (None, "none", "4", "5,3"):
+        extra = ("--kv-bits", bits) + (("--kv-group-size", "32") if bits in ("4", "5,3") else ()) if bits else ()
+        caches[bits] = json.loads(cli(capsys, *args, *extra)[1])["cache"]
+        assert caches[bits]["nbytes"] <= 100_000, bits  # the window counted at its own size
+    assert caches[None]["kv_bits"] == [5, 3] and caches["none"]["kv_bits"] is None
+    assert caches["none"]["capacity"] == 100_000 // 1024  # 2 layers x 2 kv-heads x 32 x 2 x float32
+    # keys 20 B + scale and bias 8, values 12 + 8: 192 B a token, the newest 32 in 8 bits (320 B)
+    assert caches[None]["capacity"] == (100_000 - 32 * 320) // 192 + 32
+    # --kv-bits 4 keeps its window in full precision (1024 B), so fewer tokens fit than under the default
+    assert caches["none"]["capacity"] < caches["4"]["capacity"] < caches[None]["capacity"]
+
+
+def test_a_budget_in_tokens_stays_in_the_model_dtype_unless_told(capsys, tiny32):
+    args = ("generate", tiny32, "-p", "hi", "--budget", "64", "--max-tokens", "2", "--json")
+    assert json.loads(cli(capsys, *args)[1])["cache"]["kv_bits"] is None
+    cache = json.loads(cli(capsys, *args, "--kv-bits", "5,3", "--kv-group-size", "32")[1])["cache"]
+    assert cache["kv_bits"] == [5, 3] and cache["capacity"] == 64
+
+
+def test_info_plans_a_memory_budget_as_generate_runs_it(capsys, tiny32):
+    plan = json.loads(cli(capsys, "info", tiny32, "--json", "--budget", "100KB")[1])
+    run = ("generate", tiny32, "-p", "hi", "--budget", "100KB", "--max-tokens", "2", "--json")
+    cache = json.loads(cli(capsys, *run)[1])
+    assert plan["budget"] == cache["cache"]["capacity"] and plan["budget_kv_nbytes"] == cache["cache"]["nbytes"]
+    assert plan["budget_kv_bits"] == [5, 3] == plan["memory_kv_bits"]
+    text = cli(capsys, "info", tiny32, "--budget", "100KB")[1]
+    assert f"--budget {plan['budget']} tokens holds 97.6 KiB of KV (5/3-bit)" in text
+    assert json.loads(cli(capsys, "info", tiny32, "--json", "--budget", "64")[1])["budget_kv_bits"] is None
+
+
+def test_kv_bits_none_takes_no_storage_options(capsys, tiny):
+    rc, _, err = cli(capsys, "generate", tiny, "-p", "hi", "--budget", "1MB", "--kv-bits", "none", "--fp-window", "8")
+    assert rc == 1
+    one_error_line(err, "--fp-window 8 needs --kv-bits 8 or 4")
 
 
 @pytest.mark.parametrize(
@@ -497,7 +526,7 @@ def test_unsupported_kv_bits_are_refused_by_the_parser(capsys, tiny, bits):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", str(tiny), "-p", "hi", "--kv-bits", bits])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and f"--kv-bits: {bits!r}: use 8 or 4, or KEY,VALUE bits of 2, 3, 4, 5, 6 or 8" in err
+    assert exit_.value.code == 2 and f"--kv-bits: {bits!r}: use 8 or 4, KEY,VALUE bits of 2, 3, 4, 5, 6 or 8 such as 5,3, or none" in err
 
 
 def test_info_shows_bytes_per_token_per_storage_mode(capsys, tiny32, tiny):

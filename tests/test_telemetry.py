@@ -20,6 +20,8 @@ from mlxevict.telemetry import (
     MemoryGuard,
     budget_tokens,
     fit_budget,
+    held_nbytes,
+    tokens_within,
     format_bytes,
     kv_bytes_per_token,
     kv_shape,
@@ -209,3 +211,12 @@ def test_default_guard_leaves_the_system_its_margin():
     total = psutil.virtual_memory().total
     assert guard.mlx_limit == max(total - guard.margin, total // 2)
     assert math.isclose(guard.margin, 1024**3)
+
+
+@pytest.mark.parametrize("window_bytes, fp_window", [(None, None), (320, None), (1024, None), (1024, 0), (320, 8)])
+def test_tokens_within_count_a_quantized_window_at_its_own_size(window_bytes, fp_window):
+    for nbytes in (0, 100, 5_000, 100_000, 10**9):
+        tokens = tokens_within(nbytes, 192, window_bytes, fp_window)
+        assert held_nbytes(tokens, 192, window_bytes, fp_window) <= nbytes
+        assert held_nbytes(tokens + 1, 192, window_bytes, fp_window) > nbytes
+    assert fit_budget(192, 4 * 100_000, window_bytes_per_token=1024) == tokens_within(100_000, 192, 1024) // 64 * 64

@@ -17,6 +17,8 @@ from .common import (
     add_model_argument,
     add_sampling_options,
     budget_option,
+    STORAGE_KEYS,
+    cache_storage,
     check_sampling,
     load,
     resolve_budget,
@@ -69,8 +71,9 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     request = budget_option(args)
     check_sampling(args)
-    storage = storage_options(args)
+    storage_options(args)  # bad storage options fail before a model loads
     resolved, model, tokenizer = load(args)
+    storage = cache_storage(args, request, model)
     session = ChatSession(
         model,
         tokenizer,
@@ -114,7 +117,7 @@ def command(session: ChatSession, line: str, err: TextIO) -> bool:
         session.configure(policy=value)
         print(f"policy {value} from the next turn", file=err)
     elif name == "/budget":
-        storage = {k: v for k, v in session.cache_options.items() if k in ("kv_bits", "kv_group_size")}
+        storage = {k: v for k, v in session.cache_options.items() if k in STORAGE_KEYS}
         budget = resolve_budget(parse_budget(value), session.model, **storage)
         session.configure(budget=budget)
         print(f"budget {budget} tokens from the next turn", file=err)

@@ -13,7 +13,16 @@ from ..events import Finished
 from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_TEMP, DEFAULT_TOP_P
 from ..make import make_cache
 from ..policies import policy_names
-from ..quantized import DEFAULT_GROUP_SIZE, PAIR_BITS, KVBits, bits_label, check_storage, key_value_bits
+from ..quantized import (
+    DEFAULT_GROUP_SIZE,
+    PAIR_BITS,
+    SPLIT_BITS,
+    KVBits,
+    bits_label,
+    check_storage,
+    key_value_bits,
+    model_head_dim,
+)
 from ..resolve import FAMILY_NAME, Resolved, load_model, resolve_model
 from ..telemetry import BudgetRequest, budget_tokens, format_bytes, kv_bytes_per_token, parse_budget
 
@@ -23,6 +32,8 @@ MODEL_HELP = (
 )
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 DEFAULT_BUDGET_TEXT = f"default ({DEFAULT_BUDGET})"
+STORAGE_KEYS = ("kv_bits", "kv_group_size", "full_precision_window", "window_bits")  # make_cache's storage
+KV_BITS_NONE = "none"  # --kv-bits none: the model's dtype, also under a budget in memory
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -57,8 +68,9 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="BITS",
         help="store the kept KV entries in 8 or 4 bits, or keys and values apart as KEY,VALUE bits (5,3: the "
-        "bytes of 4 bits, keys finer); the newest --fp-window tokens stay in full precision; "
-        "default: the model's dtype",
+        "bytes of 4 bits, keys finer); the newest --fp-window tokens stay in full precision; none: the model's "
+        "dtype. Default: the model's dtype for a --budget in tokens, 5,3 with --window-bits 8 for a --budget in "
+        "memory (1.5GB, auto), which keeps the most per byte",
     )
     group.add_argument(
         "--kv-group-size",
@@ -121,10 +133,9 @@ def load(args: argparse.Namespace) -> tuple[Resolved, Any, Any]:
 def resolve_budget(request: BudgetRequest, model: Any, **storage: Any) -> int:
     """Tokens for ``--budget``, capped at the model's context.
 
-    Memory forms use the KV bytes per token of the storage (``storage``: ``kv_bits``, ``kv_group_size``;
-    the full-precision window is counted at the quantized size, like every slot).
+    Memory forms use the KV bytes per token of the storage (``storage``: ``make_cache``'s storage
+    arguments), the recent window at its own size.
     """
-    storage = {k: v for k, v in storage.items() if k in ("kv_bits", "kv_group_size")}
     limit = getattr(model.args, "max_position_embeddings", None)
     tokens = budget_tokens(request, model, context_limit=limit, **storage)
     if request.nbytes is not None and tokens < 1:
@@ -143,22 +154,24 @@ def resolve_budget(request: BudgetRequest, model: Any, **storage: Any) -> int:
     return tokens
 
 
-def kv_bits_option(text: str) -> KVBits:
-    """``--kv-bits``: ``8``, ``4``, or ``KEY,VALUE`` bits such as ``5,3``."""
+def kv_bits_option(text: str) -> KVBits | str:
+    """``--kv-bits``: ``8``, ``4``, ``KEY,VALUE`` bits such as ``5,3``, or ``none`` (the model's dtype)."""
+    if text == KV_BITS_NONE:
+        return text
     try:
         parts = [int(part) for part in text.split(",")]
         bits = parts[0] if len(parts) == 1 else tuple(parts)
         check_storage(bits, DEFAULT_GROUP_SIZE)
     except ValueError:
         pair_bits = f"{', '.join(map(str, PAIR_BITS[:-1]))} or {PAIR_BITS[-1]}"
-        message = f"{text!r}: use 8 or 4, or KEY,VALUE bits of {pair_bits} such as 5,3"
+        message = f"{text!r}: use 8 or 4, KEY,VALUE bits of {pair_bits} such as 5,3, or none"
         raise argparse.ArgumentTypeError(message) from None
     return bits
 
 
 def storage_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``make_cache``'s storage arguments from the flags (empty without ``--kv-bits``)."""
-    if args.kv_bits is None:
+    """``make_cache``'s storage arguments from the flags (empty without ``--kv-bits`` or with ``none``)."""
+    if args.kv_bits in (None, KV_BITS_NONE):
         flags = (("--kv-group-size", args.kv_group_size), ("--fp-window", args.fp_window))
         for flag, value in (*flags, ("--window-bits", args.window_bits)):
             if value is not None:
@@ -179,9 +192,30 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     return storage
 
 
+def memory_storage(head_dim: int) -> dict[str, Any]:
+    """What a budget in memory stores without ``--kv-bits``: keys in 5 bits, values in 3, the window in 8.
+
+    At a quarter of a 16-bit cache's bytes it kept every retrieval answer where the
+    16-bit default and mlx-lm's caches kept none (README, "Quality per byte"). The
+    model's dtype when neither group size 64 nor 32 divides ``head_dim``.
+    """
+    for group in (DEFAULT_GROUP_SIZE, 32):
+        if head_dim % group == 0:
+            return {"kv_bits": SPLIT_BITS, "kv_group_size": group, "window_bits": 8}
+    return {}
+
+
+def cache_storage(args: argparse.Namespace, request: BudgetRequest, model: Any) -> dict[str, Any]:
+    """The storage of a command's cache: the flags', or :func:`memory_storage` for a budget in memory."""
+    storage = storage_options(args)
+    if args.kv_bits is None and request.tokens is None:
+        return memory_storage(model_head_dim(model))
+    return storage
+
+
 def build_caches(model: Any, args: argparse.Namespace, request: BudgetRequest) -> list:
     """``make_cache`` from the command line's options, with CLI wording on errors."""
-    storage = storage_options(args)
+    storage = cache_storage(args, request, model)
     budget = resolve_budget(request, model, **storage)
     try:
         return make_cache(model, args.policy, budget, sinks=args.sinks, window=args.window, **storage)

@@ -11,19 +11,21 @@ import psutil
 
 from ..cache import DEFAULT_BUDGET
 from ..openblas import openblas_library, openblas_loaded
-from ..quantized import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS, SPLIT_BITS
+from ..quantized import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS, SPLIT_BITS, bits_label
 from ..resolve import DEEPSEEK_R1_DISTILL, check_architecture, hub_weights_nbytes, resolve_model
 from ..telemetry import (
     AUTO_FRACTION,
     DEFAULT_MARGIN,
     fit_budget,
+    held_nbytes,
+    tokens_within,
     folder_dtype_size,
     format_bytes,
     kv_shape,
     parse_budget,
     weights_nbytes,
 )
-from .common import add_model_argument
+from .common import add_model_argument, memory_storage
 
 PLAN_TOKENS = (8 * 1024, 32 * 1024, 128 * 1024)
 
@@ -104,13 +106,19 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     context = config.get("max_position_embeddings")
     # The weights still to be loaded come out of what is available now.
     free = max(0, memory.available - (weights or 0) - DEFAULT_MARGIN)
-    auto = fit_budget(per_token, free, context_limit=context)
+    # A budget in memory (and auto) stores in 5/3 bits, as generate and chat do without --kv-bits.
+    stored = memory_storage(shape.head_dim)
+    memory_bits, group = stored.get("kv_bits"), stored.get("kv_group_size", DEFAULT_GROUP_SIZE)
+    memory_per_token = shape.storage_bytes_per_token(memory_bits, group)
+    window = {"window_bytes_per_token": shape.storage_bytes_per_token(8, group)} if memory_bits else {}
+    auto = fit_budget(memory_per_token, free, context_limit=context, **window)
     request = parse_budget(args.budget)
-    budget = request.tokens or (request.nbytes // per_token if request.nbytes else auto)
+    budget = request.tokens or (tokens_within(request.nbytes, memory_per_token, **window) if request.nbytes else auto)
     budget = min(budget, context) if context else budget
+    budget_storage = (per_token,) if request.tokens else (memory_per_token, *window.values())
     compare_at = min(context or PLAN_TOKENS[1], PLAN_TOKENS[1])
     full = per_token * compare_at
-    held = per_token * min(budget, compare_at)
+    held = held_nbytes(min(budget, compare_at), *budget_storage)
     return {
         "model": resolved.name,
         "path": str(resolved.path),
@@ -128,9 +136,12 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "full_kv_nbytes": {str(n): per_token * n for n in PLAN_TOKENS},
         "system_total": memory.total,
         "system_available": memory.available,
+        "memory_kv_bits": memory_bits,
         "auto_budget": auto,
+        "auto_budget_nbytes": held_nbytes(auto, memory_per_token, *window.values()),
         "budget": budget,
-        "budget_kv_nbytes": per_token * budget,
+        "budget_kv_bits": None if request.tokens else memory_bits,
+        "budget_kv_nbytes": held_nbytes(budget, *budget_storage),
         "compare_at_tokens": compare_at,
         "saved_nbytes": full - held,
         "saved_fraction": (full - held) / full if full else 0.0,
@@ -147,7 +158,8 @@ def _k(n: int) -> str:
 def render(p: dict[str, Any]) -> str:
     weights = format_bytes(p["weights_nbytes"]) if p["weights_nbytes"] else "?"
     context = p["context_limit"]
-    auto_kv = p["auto_budget"] * p["kv_bytes_per_token"]
+    auto_bits = f", {bits_label(p['memory_kv_bits'])}" if p["memory_kv_bits"] else ""
+    budget_bits = f" ({bits_label(p['budget_kv_bits'])})" if p["budget_kv_bits"] else ""
     compare = p["compare_at_tokens"]
     full = "   ".join(
         f"{_k(int(n))}: {format_bytes(b)}" + (" (beyond the context limit)" if context and int(n) > context else "")
@@ -161,9 +173,10 @@ def render(p: dict[str, Any]) -> str:
         f"full KV       {full}",
         f"context       {context or '?'} tokens",
         f"memory        {format_bytes(p['system_total'])} total, {format_bytes(p['system_available'])} available now",
-        f"budget        auto = {p['auto_budget']:,} tokens ({format_bytes(auto_kv)} KV) "
+        f"budget        auto = {p['auto_budget']:,} tokens ({format_bytes(p['auto_budget_nbytes'])} KV{auto_bits}) "
         "fits this machine next to the weights",
-        f"eviction      --budget {p['budget']:,} tokens holds {format_bytes(p['budget_kv_nbytes'])} of KV; "
+        f"eviction      --budget {p['budget']:,} tokens holds {format_bytes(p['budget_kv_nbytes'])} of KV"
+        f"{budget_bits}; "
         f"a full cache at {_k(compare)} tokens holds {format_bytes(p['kv_bytes_per_token'] * compare)}: "
         f"saves {format_bytes(p['saved_nbytes'])} ({100 * p['saved_fraction']:.0f}%)",
     ]
