@@ -17,7 +17,7 @@ from model_files import build_tiny_model, write_hub_repo
 
 from mlxevict.cli import main
 from mlxevict.openblas import REEXEC_GUARD, openblas_library, preload_env
-from mlxevict.telemetry import kv_bytes_per_token
+from mlxevict.telemetry import kv_bytes_per_token, parse_size
 
 PROMPT = "Tell me a long story about a fox who learns to count."
 STATS = re.compile(
@@ -312,6 +312,16 @@ def test_plain_chat(capsys, tiny):
     assert len(out.strip().splitlines()) == 3
 
 
+def test_plain_chat_with_a_memory_budget_keeps_its_storage_for_budget_changes(capsys, tiny32):
+    lines = ["Hello there", "/budget 60KB", "and again", "/quit"]
+    args = ("chat", tiny32, "--plain", "--budget", "100KB", "--max-tokens", "4")
+    rc, _, err = cli(capsys, *args, stdin="\n".join(lines) + "\n")
+    stats = [line for line in err.splitlines() if line.startswith("[")]
+    assert rc == 0 and len(stats) == 2 and all("(5/3-bit)" in line for line in stats)
+    capacities = [int(re.search(r"KV kept \d+/(\d+)", line).group(1)) for line in stats]
+    assert capacities[0] == (100_000 - 32 * 320) // 192 + 32 and capacities[1] == (60_000 - 32 * 320) // 192 + 32
+
+
 def test_chat_without_a_terminal_is_plain(capsys, tiny):
     rc, out, err = cli(capsys, "chat", tiny, "--max-tokens", "4", stdin="hi\n")
     assert rc == 0 and err.startswith("chatting with tiny") and stats_of(err).group(1) == "4"
@@ -449,6 +459,21 @@ def test_a_memory_budget_stores_keys_in_5_bits_values_in_3_and_holds_to_its_byte
     assert caches["none"]["capacity"] < caches["4"]["capacity"] < caches[None]["capacity"]
 
 
+@pytest.mark.parametrize("memory, bits", [("3MB", None), ("1MB", 8), ("100KB", [5, 3])])
+def test_a_memory_budget_that_holds_the_whole_context_keeps_the_finest_storage(capsys, tiny32, memory, bits):
+    # 2,048 tokens of context: 2 MiB in float32 (1,024 B a token), 0.66 MiB in 8 bits
+    args = ("generate", tiny32, "-p", "hi", "--budget", memory, "--max-tokens", "2", "--json")
+    cache = json.loads(cli(capsys, *args)[1])["cache"]
+    assert cache["kv_bits"] == bits and cache["nbytes"] <= parse_size(memory)
+    assert (cache["capacity"] == 2048) == (bits != [5, 3])
+
+
+def test_a_memory_budget_too_small_for_one_token_says_what_a_token_costs(capsys, tiny32):
+    rc, _, err = cli(capsys, "generate", tiny32, "-p", "hi", "--budget", "100B")
+    assert rc == 1
+    one_error_line(err, "--budget 100B holds no token of this model's KV (192 bytes per token)")  # in 5/3 bits
+
+
 def test_a_budget_in_tokens_stays_in_the_model_dtype_unless_told(capsys, tiny32):
     args = ("generate", tiny32, "-p", "hi", "--budget", "64", "--max-tokens", "2", "--json")
     assert json.loads(cli(capsys, *args)[1])["cache"]["kv_bits"] is None
@@ -461,7 +486,7 @@ def test_info_plans_a_memory_budget_as_generate_runs_it(capsys, tiny32):
     run = ("generate", tiny32, "-p", "hi", "--budget", "100KB", "--max-tokens", "2", "--json")
     cache = json.loads(cli(capsys, *run)[1])
     assert plan["budget"] == cache["cache"]["capacity"] and plan["budget_kv_nbytes"] == cache["cache"]["nbytes"]
-    assert plan["budget_kv_bits"] == [5, 3] == plan["memory_kv_bits"]
+    assert plan["budget_kv_bits"] == [5, 3] and plan["auto_kv_bits"] is None  # auto holds the context in float32
     text = cli(capsys, "info", tiny32, "--budget", "100KB")[1]
     assert f"--budget {plan['budget']} tokens holds 97.6 KiB of KV (5/3-bit)" in text
     assert json.loads(cli(capsys, "info", tiny32, "--json", "--budget", "64")[1])["budget_kv_bits"] is None

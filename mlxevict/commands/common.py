@@ -21,10 +21,9 @@ from ..quantized import (
     bits_label,
     check_storage,
     key_value_bits,
-    model_head_dim,
 )
 from ..resolve import FAMILY_NAME, Resolved, load_model, resolve_model
-from ..telemetry import BudgetRequest, budget_tokens, format_bytes, kv_bytes_per_token, parse_budget
+from ..telemetry import BudgetRequest, budget_tokens, format_bytes, kv_bytes_per_token, kv_shape, parse_budget
 
 MODEL_HELP = (
     f"an MLX model folder, a .gguf file, a Hugging Face repo id, or {FAMILY_NAME} "
@@ -139,7 +138,9 @@ def resolve_budget(request: BudgetRequest, model: Any, **storage: Any) -> int:
     limit = getattr(model.args, "max_position_embeddings", None)
     tokens = budget_tokens(request, model, context_limit=limit, **storage)
     if request.nbytes is not None and tokens < 1:
-        per_token = kv_bytes_per_token(model, **storage)
+        per_token = kv_bytes_per_token(
+            model, kv_bits=storage.get("kv_bits"), kv_group_size=storage.get("kv_group_size", DEFAULT_GROUP_SIZE)
+        )
         raise MlxEvictError(
             f"--budget {request.text} holds no token of this model's KV ({per_token} bytes per "
             "token); give more memory or a number of tokens"
@@ -192,24 +193,39 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     return storage
 
 
-def memory_storage(head_dim: int) -> dict[str, Any]:
-    """What a budget in memory stores without ``--kv-bits``: keys in 5 bits, values in 3, the window in 8.
+def memory_storage(
+    request: BudgetRequest, model_or_config: Any, context_limit: Optional[int], available: Optional[int] = None
+) -> dict[str, Any]:
+    """What a budget in memory stores without ``--kv-bits``.
 
-    At a quarter of a 16-bit cache's bytes it kept every retrieval answer where the
-    16-bit default and mlx-lm's caches kept none (README, "Quality per byte"). The
-    model's dtype when neither group size 64 nor 32 divides ``head_dim``.
+    The finest storage that holds the model's whole context (its dtype, then 8 bits:
+    nothing is ever evicted, so nothing is gained by fewer bits); else keys in 5 bits,
+    values in 3 and the newest tokens in 8, which at a quarter of a 16-bit cache's
+    bytes kept every retrieval answer where the 16-bit default and mlx-lm's caches kept
+    none (README, "Quality per byte"). The dtype when no group size divides the head dim.
+
+    Args:
+        request: a budget in memory or ``auto``.
+        model_or_config: the model, or its folder (see :func:`~mlxevict.telemetry.kv_shape`).
+        context_limit: the model's context length (``None``: unknown, so 5/3 bits).
+        available: free bytes for ``auto`` (default: what the system has now).
     """
-    for group in (DEFAULT_GROUP_SIZE, 32):
-        if head_dim % group == 0:
-            return {"kv_bits": SPLIT_BITS, "kv_group_size": group, "window_bits": 8}
-    return {}
+    head_dim = kv_shape(model_or_config).head_dim
+    group = next((g for g in (DEFAULT_GROUP_SIZE, 32) if head_dim % g == 0), None)
+    if group is None:
+        return {}
+    for storage in ({}, {"kv_bits": 8, "kv_group_size": group}):
+        tokens = budget_tokens(request, model_or_config, available=available, **storage)
+        if context_limit and tokens >= context_limit:
+            return storage
+    return {"kv_bits": SPLIT_BITS, "kv_group_size": group, "window_bits": 8}
 
 
 def cache_storage(args: argparse.Namespace, request: BudgetRequest, model: Any) -> dict[str, Any]:
     """The storage of a command's cache: the flags', or :func:`memory_storage` for a budget in memory."""
     storage = storage_options(args)
     if args.kv_bits is None and request.tokens is None:
-        return memory_storage(model_head_dim(model))
+        return memory_storage(request, model, getattr(model.args, "max_position_embeddings", None))
     return storage
 
 

@@ -16,9 +16,8 @@ from ..resolve import DEEPSEEK_R1_DISTILL, check_architecture, hub_weights_nbyte
 from ..telemetry import (
     AUTO_FRACTION,
     DEFAULT_MARGIN,
-    fit_budget,
+    budget_tokens,
     held_nbytes,
-    tokens_within,
     folder_dtype_size,
     format_bytes,
     kv_shape,
@@ -94,6 +93,14 @@ def storage_modes(shape, kv_memory: int) -> list[dict[str, Any]]:
     return modes
 
 
+def _held(folder: Any, tokens: int, storage: dict[str, Any]) -> int:
+    """KV bytes of ``tokens`` entries in ``storage`` (``make_cache``'s storage arguments)."""
+    shape = kv_shape(folder)
+    bits, group = storage.get("kv_bits"), storage.get("kv_group_size", DEFAULT_GROUP_SIZE)
+    window = shape.storage_bytes_per_token(storage.get("window_bits"), group) if bits else None
+    return held_nbytes(tokens, shape.storage_bytes_per_token(bits, group), window, storage.get("full_precision_window"))
+
+
 def plan(args: argparse.Namespace) -> dict[str, Any]:
     # The family choice's reason is part of the plan, so resolution reports nothing itself.
     resolved = resolve_model(args.model, weights=False, progress=sys.stderr.isatty())
@@ -106,19 +113,17 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     context = config.get("max_position_embeddings")
     # The weights still to be loaded come out of what is available now.
     free = max(0, memory.available - (weights or 0) - DEFAULT_MARGIN)
-    # A budget in memory (and auto) stores in 5/3 bits, as generate and chat do without --kv-bits.
-    stored = memory_storage(shape.head_dim)
-    memory_bits, group = stored.get("kv_bits"), stored.get("kv_group_size", DEFAULT_GROUP_SIZE)
-    memory_per_token = shape.storage_bytes_per_token(memory_bits, group)
-    window = {"window_bytes_per_token": shape.storage_bytes_per_token(8, group)} if memory_bits else {}
-    auto = fit_budget(memory_per_token, free, context_limit=context, **window)
+    # A budget in memory (and auto) stores what generate and chat store without --kv-bits.
     request = parse_budget(args.budget)
-    budget = request.tokens or (tokens_within(request.nbytes, memory_per_token, **window) if request.nbytes else auto)
+    auto_request = parse_budget("auto")
+    auto_storage = memory_storage(auto_request, resolved.path, context, available=free)
+    auto = budget_tokens(auto_request, resolved.path, available=free, context_limit=context, **auto_storage)
+    storage = {} if request.tokens else memory_storage(request, resolved.path, context, available=free)
+    budget = budget_tokens(request, resolved.path, available=free, context_limit=context, **storage)
     budget = min(budget, context) if context else budget
-    budget_storage = (per_token,) if request.tokens else (memory_per_token, *window.values())
     compare_at = min(context or PLAN_TOKENS[1], PLAN_TOKENS[1])
     full = per_token * compare_at
-    held = held_nbytes(min(budget, compare_at), *budget_storage)
+    held = _held(resolved.path, min(budget, compare_at), storage)
     return {
         "model": resolved.name,
         "path": str(resolved.path),
@@ -136,12 +141,12 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "full_kv_nbytes": {str(n): per_token * n for n in PLAN_TOKENS},
         "system_total": memory.total,
         "system_available": memory.available,
-        "memory_kv_bits": memory_bits,
         "auto_budget": auto,
-        "auto_budget_nbytes": held_nbytes(auto, memory_per_token, *window.values()),
+        "auto_kv_bits": auto_storage.get("kv_bits"),
+        "auto_budget_nbytes": _held(resolved.path, auto, auto_storage),
         "budget": budget,
-        "budget_kv_bits": None if request.tokens else memory_bits,
-        "budget_kv_nbytes": held_nbytes(budget, *budget_storage),
+        "budget_kv_bits": storage.get("kv_bits"),
+        "budget_kv_nbytes": _held(resolved.path, budget, storage),
         "compare_at_tokens": compare_at,
         "saved_nbytes": full - held,
         "saved_fraction": (full - held) / full if full else 0.0,
@@ -158,7 +163,7 @@ def _k(n: int) -> str:
 def render(p: dict[str, Any]) -> str:
     weights = format_bytes(p["weights_nbytes"]) if p["weights_nbytes"] else "?"
     context = p["context_limit"]
-    auto_bits = f", {bits_label(p['memory_kv_bits'])}" if p["memory_kv_bits"] else ""
+    auto_bits = f", {bits_label(p['auto_kv_bits'])}" if p["auto_kv_bits"] else ""
     budget_bits = f" ({bits_label(p['budget_kv_bits'])})" if p["budget_kv_bits"] else ""
     compare = p["compare_at_tokens"]
     full = "   ".join(
