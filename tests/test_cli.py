@@ -421,6 +421,19 @@ def test_acceptance_generate_with_eviction(capsys, smollm_path):
     assert rc == 0 and result["cache"]["kept"] <= result["cache"]["capacity"] and result["cache"]["evicted"] > 0
 
 
+@pytest.mark.slow
+def test_acceptance_a_memory_budget_answers_in_5_3_bits_within_its_bytes(capsys, smollm_path):
+    question = "What is the capital of France?"
+    args = ["generate", smollm_path, "-p", question, "--max-tokens", "12", "--temp", "0", "--json"]
+    rc, out, _ = cli(capsys, *args, "--budget", "1MB")
+    result = json.loads(out)
+    assert rc == 0 and "Paris" in result["answer"]
+    assert result["cache"]["kv_bits"] == [5, 3] and result["cache"]["nbytes"] <= 1_000_000
+    plain = json.loads(cli(capsys, *args, "--budget", "1MB", "--kv-bits", "none")[1])["cache"]
+    assert plain["kv_bits"] is None and plain["nbytes"] <= 1_000_000
+    assert result["cache"]["capacity"] > 4 * plain["capacity"]  # float32 model: 46,080 vs 7,200 B a token
+
+
 # ---- quantized storage (--kv-bits) ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny32(tmp_path_factory) -> Path:
