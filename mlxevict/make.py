@@ -9,12 +9,13 @@ import mlx.nn as nn
 from .cache import DEFAULT_BUDGET, DEFAULT_SINKS, EvictingKVCache
 from .patch import patch
 from .quantized import DEFAULT_GROUP_SIZE, KVBits, QuantizedEvictingKVCache, check_storage, model_head_dim
+from .telemetry import budget_tokens, memory_storage, parse_budget
 
 
 def make_cache(
     model: nn.Module,
     policy: str = "default",
-    budget: int = DEFAULT_BUDGET,
+    budget: int | str = DEFAULT_BUDGET,
     *,
     sinks: int = DEFAULT_SINKS,
     window: int | None = None,
@@ -38,9 +39,14 @@ def make_cache(
     Args:
         model: an mlx-lm model of a supported architecture (llama, mistral, qwen2, qwen3).
         policy: registry name; see ``mlxevict.policy_names()``. Default ``"default"``.
-        budget: most KV entries per layer. Default 2048.
+        budget: most KV entries per layer (default 2048), or KV memory for all layers:
+            ``"1.5GB"``, ``"800MB"``, or ``"auto"`` (a quarter of the free memory). Without
+            ``kv_bits`` a memory budget picks the storage as the CLI does: the model's dtype
+            or 8 bits when they hold the model's whole context, else keys in 5 bits, values
+            in 3 and the newest tokens in 8 (the most quality per byte measured).
         sinks, window, slack, prompt_mode, pinned, policy_kwargs: see :class:`EvictingKVCache`.
-        kv_bits: ``None`` (default) stores KV in the model's dtype; 8 or 4 store
+        kv_bits: ``None`` (default) stores KV in the model's dtype (for a budget in
+            tokens; see ``budget`` for one in memory); 8 or 4 store
             it quantized (:class:`~mlxevict.quantized.QuantizedEvictingKVCache`);
             a ``(key bits, value bits)`` pair such as ``(5, 3)`` stores them apart.
         kv_group_size: values per quantization scale: 32, 64 (default) or 128.
@@ -59,6 +65,18 @@ def make_cache(
         ValueError: unsupported architecture, unknown policy, a budget that cannot
             work, or a ``kv_bits``/``kv_group_size`` the model cannot use.
     """
+    if isinstance(budget, str):
+        request = parse_budget(budget)
+        limit = getattr(model.args, "max_position_embeddings", None)
+        if request.tokens is None and kv_bits is None:
+            stored = memory_storage(request, model, limit)
+            kv_bits, window_bits = stored.get("kv_bits"), stored.get("window_bits")
+            kv_group_size = stored.get("kv_group_size", kv_group_size)
+        storage = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, full_precision_window=full_precision_window)
+        tokens = budget_tokens(request, model, context_limit=limit, window_bits=window_bits, **storage)
+        if tokens < 1:
+            raise ValueError(f"budget={budget!r} holds no token of this model's KV")
+        budget = min(tokens, limit) if limit else tokens
     options: dict[str, Any] = dict(sinks=sinks, window=window, slack=slack, prompt_mode=prompt_mode, pinned=pinned)
     cls = EvictingKVCache
     if window_bits is not None and kv_bits is None:

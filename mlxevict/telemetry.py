@@ -21,7 +21,7 @@ import psutil
 
 from .cache import EvictingKVCache, default_window
 from .errors import MlxEvictError
-from .quantized import DEFAULT_GROUP_SIZE, KVBits, key_value_bits, storage_bytes
+from .quantized import DEFAULT_GROUP_SIZE, SPLIT_BITS, KVBits, key_value_bits, storage_bytes
 from .stats import cache_stats
 
 DEFAULT_MARGIN = 1 * 1024**3  # stop generating when less than this is left to the system
@@ -228,6 +228,34 @@ def kv_bytes_per_token(
         kv_bits, kv_group_size: quantized storage (see :meth:`KVShape.storage_bytes_per_token`).
     """
     return kv_shape(model_or_config, dtype_size).storage_bytes_per_token(kv_bits, kv_group_size)
+
+
+def memory_storage(
+    request: BudgetRequest, model_or_config: Any, context_limit: Optional[int], available: Optional[int] = None
+) -> dict[str, Any]:
+    """What a budget in memory stores when no ``kv_bits`` (``--kv-bits``) is given.
+
+    The finest storage that holds the model's whole context (its dtype, then 8 bits:
+    nothing is ever evicted, so nothing is gained by fewer bits); else keys in 5 bits,
+    values in 3 and the newest tokens in 8, which at a quarter of a 16-bit cache's
+    bytes kept every retrieval answer where the 16-bit default and mlx-lm's caches kept
+    none (README, "Quality per byte"). The dtype when no group size divides the head dim.
+
+    Args:
+        request: a budget in memory or ``auto``.
+        model_or_config: the model, or its folder (see :func:`kv_shape`).
+        context_limit: the model's context length (``None``: unknown, so 5/3 bits).
+        available: free bytes for ``auto`` (default: what the system has now).
+    """
+    head_dim = kv_shape(model_or_config).head_dim
+    group = next((g for g in (DEFAULT_GROUP_SIZE, 32) if head_dim % g == 0), None)
+    if group is None:
+        return {}
+    for storage in ({}, {"kv_bits": 8, "kv_group_size": group}):
+        tokens = budget_tokens(request, model_or_config, available=available, **storage)
+        if context_limit and tokens >= context_limit:
+            return storage
+    return {"kv_bits": SPLIT_BITS, "kv_group_size": group, "window_bits": 8}
 
 
 def parse_size(text: str) -> int:

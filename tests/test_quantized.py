@@ -338,3 +338,32 @@ def test_bad_storage_arguments_raise_clear_errors(kwargs, message):
 def test_plain_cache_has_no_kv_bits():
     caches = make_cache(small_model(layers=1), "window", budget=32)
     assert type(caches[0]) is mlxevict.EvictingKVCache and caches[0].kv_bits is None
+
+
+# ---- a budget in memory ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "budget, kv_bits, cls, bits, tokens",
+    [
+        # 2 layers x 2 kv-heads x head dim 32 in float32: 1,024 B a token, 4,096 tokens of context
+        ("8MB", None, "EvictingKVCache", None, 4096),  # the whole context fits in the dtype
+        ("2MB", None, "QuantizedEvictingKVCache", 8, 4096),  # in 8 bits
+        ("100KB", None, "QuantizedEvictingKVCache", (5, 3), (100_000 - 32 * 320) // 192 + 32),
+        ("100KB", 4, "QuantizedEvictingKVCache", 4, (100_000 - 32 * 1024) // 192 + 32),  # window in float32
+        ("512", None, "EvictingKVCache", None, 512),
+    ],
+)
+def test_make_cache_takes_a_budget_in_memory(budget, kv_bits, cls, bits, tokens):
+    model = tiny_model(head_dim=32, hidden_size=128)
+    caches = make_cache(model, "default", budget, kv_bits=kv_bits, kv_group_size=32)
+    assert type(caches[0]).__name__ == cls and caches[0].budget == tokens
+    assert getattr(caches[0], "kv_bits", None) == bits
+    run_chunks(model, caches, random_tokens(40), [40])
+    if budget.endswith("B"):
+        memory = int(float(budget[:-2]) * (10**6 if budget.endswith("MB") else 10**3))
+        assert sum(c.nbytes for c in caches) <= memory
+
+
+@pytest.mark.parametrize("budget, message", [("lots", "bad --budget 'lots'"), ("1B", "holds no token")])
+def test_a_bad_budget_in_memory_is_a_clear_error(budget, message):
+    with pytest.raises(ValueError, match=message):
+        make_cache(tiny_model(head_dim=32, hidden_size=128), "default", budget)

@@ -16,14 +16,20 @@ from ..policies import policy_names
 from ..quantized import (
     DEFAULT_GROUP_SIZE,
     PAIR_BITS,
-    SPLIT_BITS,
     KVBits,
     bits_label,
     check_storage,
     key_value_bits,
 )
 from ..resolve import FAMILY_NAME, Resolved, load_model, resolve_model
-from ..telemetry import BudgetRequest, budget_tokens, format_bytes, kv_bytes_per_token, kv_shape, parse_budget
+from ..telemetry import (
+    BudgetRequest,
+    budget_tokens,
+    format_bytes,
+    kv_bytes_per_token,
+    memory_storage,
+    parse_budget,
+)
 
 MODEL_HELP = (
     f"an MLX model folder, a .gguf file, a Hugging Face repo id, or {FAMILY_NAME} "
@@ -191,34 +197,6 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.window_bits is not None:
         storage["window_bits"] = args.window_bits
     return storage
-
-
-def memory_storage(
-    request: BudgetRequest, model_or_config: Any, context_limit: Optional[int], available: Optional[int] = None
-) -> dict[str, Any]:
-    """What a budget in memory stores without ``--kv-bits``.
-
-    The finest storage that holds the model's whole context (its dtype, then 8 bits:
-    nothing is ever evicted, so nothing is gained by fewer bits); else keys in 5 bits,
-    values in 3 and the newest tokens in 8, which at a quarter of a 16-bit cache's
-    bytes kept every retrieval answer where the 16-bit default and mlx-lm's caches kept
-    none (README, "Quality per byte"). The dtype when no group size divides the head dim.
-
-    Args:
-        request: a budget in memory or ``auto``.
-        model_or_config: the model, or its folder (see :func:`~mlxevict.telemetry.kv_shape`).
-        context_limit: the model's context length (``None``: unknown, so 5/3 bits).
-        available: free bytes for ``auto`` (default: what the system has now).
-    """
-    head_dim = kv_shape(model_or_config).head_dim
-    group = next((g for g in (DEFAULT_GROUP_SIZE, 32) if head_dim % g == 0), None)
-    if group is None:
-        return {}
-    for storage in ({}, {"kv_bits": 8, "kv_group_size": group}):
-        tokens = budget_tokens(request, model_or_config, available=available, **storage)
-        if context_limit and tokens >= context_limit:
-            return storage
-    return {"kv_bits": SPLIT_BITS, "kv_group_size": group, "window_bits": 8}
 
 
 def cache_storage(args: argparse.Namespace, request: BudgetRequest, model: Any) -> dict[str, Any]:
