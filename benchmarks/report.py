@@ -237,11 +237,11 @@ def plot_bytes(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
 
 
 def _kept(row: dict[str, Any]) -> float:
-    """Budget / context; for quantized caches (which keep every token) their byte fraction."""
+    """The budget fraction; for quantized caches (which keep every token) their bytes relative to 16 bits."""
     if row["budget_fraction"] is not None:
         return row["budget_fraction"]
-    if row["cache"].startswith("quantized") and row.get("kv_fraction"):
-        return row["kv_fraction"]
+    if row["cache"].startswith("quantized"):
+        return row.get("kv_fraction_16bit") or row.get("kv_fraction") or 1.0  # older results: no 16-bit column
     return 1.0
 
 
