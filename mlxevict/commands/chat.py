@@ -12,12 +12,12 @@ from ..generate import ChatSession
 from ..policies import policy_names
 from ..telemetry import MemoryGuard, parse_budget
 from .common import (
+    STORAGE_KEYS,
     TextPrinter,
     add_cache_options,
     add_model_argument,
     add_sampling_options,
     budget_option,
-    STORAGE_KEYS,
     cache_storage,
     check_sampling,
     load,

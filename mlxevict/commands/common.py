@@ -13,23 +13,9 @@ from ..events import Finished
 from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_TEMP, DEFAULT_TOP_P
 from ..make import make_cache
 from ..policies import policy_names
-from ..quantized import (
-    DEFAULT_GROUP_SIZE,
-    PAIR_BITS,
-    KVBits,
-    bits_label,
-    check_storage,
-    key_value_bits,
-)
+from ..quantized import DEFAULT_GROUP_SIZE, PAIR_BITS, KVBits, bits_label, check_storage, key_value_bits
 from ..resolve import FAMILY_NAME, Resolved, load_model, resolve_model
-from ..telemetry import (
-    BudgetRequest,
-    budget_tokens,
-    format_bytes,
-    kv_bytes_per_token,
-    memory_storage,
-    parse_budget,
-)
+from ..telemetry import BudgetRequest, budget_tokens, format_bytes, kv_bytes_per_token, memory_storage, parse_budget
 
 MODEL_HELP = (
     f"an MLX model folder, a .gguf file, a Hugging Face repo id, or {FAMILY_NAME} "
@@ -74,8 +60,9 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
         metavar="BITS",
         help="store the kept KV entries in 8 or 4 bits, or keys and values apart as KEY,VALUE bits (5,3: the "
         "bytes of 4 bits, keys finer); the newest --fp-window tokens stay in full precision; none: the model's "
-        "dtype. Default: the model's dtype for a --budget in tokens, 5,3 with --window-bits 8 for a --budget in "
-        "memory (1.5GB, auto), which keeps the most per byte",
+        "dtype. Default: the model's dtype for a --budget in tokens; for a --budget in memory (1.5GB, auto) the "
+        "dtype or 8 bits if that holds the model's whole context, else 5,3 with --window-bits 8 (the most per "
+        "byte)",
     )
     group.add_argument(
         "--kv-group-size",

@@ -21,10 +21,11 @@ from ..telemetry import (
     folder_dtype_size,
     format_bytes,
     kv_shape,
+    memory_storage,
     parse_budget,
     weights_nbytes,
 )
-from .common import add_model_argument, memory_storage
+from .common import add_model_argument
 
 PLAN_TOKENS = (8 * 1024, 32 * 1024, 128 * 1024)
 
