@@ -256,6 +256,15 @@ def test_quick_eval_and_bench_on_the_real_model(smollm_path, tmp_path, capsys):
     bench = json.loads((tmp_path / "bench.json").read_text())
     assert {r["cache"] for r in bench["decode"]} == {"kvcache", "default", "rotating"}
     assert (tmp_path / "eval.png").stat().st_size > 0 and (tmp_path / "memory.png").stat().st_size > 0
+    # Budgets in memory: the 5/3 default holds more entries than the 16-bit rotating cache in the same bytes.
+    args = parser.parse_args(
+        ["eval", str(smollm_path), "--quick", "--memory", "--out", str(tmp_path / "memory"),
+         "--policies", "rotating,default:k5v3w8", "--budgets", "0.25"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    rows = {r["cache"]: r for r in json.loads((tmp_path / "memory" / "eval.json").read_text())["rows"]}
+    assert rows["default:k5v3w8"]["budget"] > 3 * rows["rotating"]["budget"]
+    assert rows["default:k5v3w8"]["kv_fraction_16bit"] <= 0.25 >= rows["rotating"]["kv_fraction_16bit"]
 
 
 def test_variant_specs_build_the_policy_with_its_arguments(model):
