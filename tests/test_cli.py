@@ -318,6 +318,7 @@ def test_plain_chat_with_a_memory_budget_keeps_its_storage_for_budget_changes(ca
     rc, _, err = cli(capsys, *args, stdin="\n".join(lines) + "\n")
     stats = [line for line in err.splitlines() if line.startswith("[")]
     assert rc == 0 and len(stats) == 2 and all("(5/3-bit)" in line for line in stats)
+    assert err.startswith("chatting with tiny32 (policy default, budget 499, KV in 5/3-bit); /help")
     capacities = [int(re.search(r"KV kept \d+/(\d+)", line).group(1)) for line in stats]
     assert capacities[0] == (100_000 - 32 * 320) // 192 + 32 and capacities[1] == (60_000 - 32 * 320) // 192 + 32
 

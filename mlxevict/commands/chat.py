@@ -10,6 +10,7 @@ from ..errors import MlxEvictError
 from ..events import Finished, TextChunk
 from ..generate import ChatSession
 from ..policies import policy_names
+from ..quantized import bits_label
 from ..telemetry import MemoryGuard, parse_budget
 from .common import (
     STORAGE_KEYS,
@@ -150,7 +151,10 @@ def turn(session: ChatSession, text: str, out: TextIO, err: TextIO, show_reasoni
 def repl(session: ChatSession, name: str, inp: TextIO, out: TextIO, err: TextIO, *, show_reasoning: bool = True) -> int:
     """Read messages line by line until EOF or ``/quit``; 130 on Ctrl-C at the prompt."""
     prompt = inp is sys.stdin and inp.isatty()
-    print(f"chatting with {name} (policy {session.policy}, budget {session.budget}); /help for commands", file=err)
+    kv_bits = session.cache_options.get("kv_bits")
+    storage = f", KV in {bits_label(kv_bits)}" if kv_bits else ""
+    settings = f"policy {session.policy}, budget {session.budget}{storage}"
+    print(f"chatting with {name} ({settings}); /help for commands", file=err)
     while True:
         try:
             line = input("> ") if prompt else inp.readline()
