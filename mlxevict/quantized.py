@@ -158,9 +158,17 @@ def _first_rows(entries: Entries, n: int) -> Entries:
 
 
 def _matmul(x: mx.array, entries: Entries, transpose: bool, group_size: int, bits: Optional[int]) -> mx.array:
-    """``x @ entries.T`` (``transpose``) or ``x @ entries``, quantized or not."""
+    """``x @ entries.T`` (``transpose``) or ``x @ entries``, quantized or not.
+
+    On the CPU a step of several queries (a prompt chunk) dequantizes first: MLX's
+    CPU quantized matmul does not use BLAS, and one dequantized copy costs less than
+    the product (README, "Quality per byte": prefill about 2x). One query (decoding),
+    and any step on the GPU, use the quantized matmul, as mlx-lm does.
+    """
     if _quantized(entries):
-        return mx.quantized_matmul(x, *entries, transpose=transpose, group_size=group_size, bits=bits)
+        if x.shape[-2] == 1 or mx.default_device() != mx.cpu:
+            return mx.quantized_matmul(x, *entries, transpose=transpose, group_size=group_size, bits=bits)
+        entries = mx.dequantize(*entries, group_size=group_size, bits=bits)
     return x @ (entries.swapaxes(-1, -2) if transpose else entries)
 
 
@@ -178,7 +186,8 @@ def quantized_attention(
     """Attention over quantized entries followed by full-precision ones, one softmax.
 
     With no full-precision entries and no rotation this is mlx-lm's
-    ``quantized_scaled_dot_product_attention``, operation for operation.
+    ``quantized_scaled_dot_product_attention``, operation for operation, for one
+    query; a chunk of queries on the CPU uses dequantized entries (see ``_matmul``).
 
     Args:
         queries: ``(B, H*G, L, D)`` after RoPE.

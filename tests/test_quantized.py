@@ -43,9 +43,11 @@ def test_equal_to_mlx_lm_quantized_cache_when_nothing_is_evicted(arch, bits):
         kv_rotate=False,
     )
     ours = run_chunks(model, caches, tokens, chunks)
-    assert mx.array_equal(ours, theirs).item()
+    # Multi-token chunks on the CPU dequantize first and use a dense matmul: equal within float
+    # rounding (token by token the storage is mlx-lm's exactly: tests/test_quantized_real.py).
+    assert mx.allclose(ours, theirs, rtol=0, atol=1e-5).item()
     exact = run_chunks(model, [KVCache() for _ in model.layers], tokens, chunks)
-    assert not mx.allclose(ours, exact, atol=1e-5).item()  # the storage really is quantized
+    assert not mx.allclose(ours, exact, atol=1e-4).item()  # the storage really is quantized
 
 
 def test_full_precision_window_holding_every_token_equals_kvcache():
