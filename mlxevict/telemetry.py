@@ -124,11 +124,18 @@ class KVShape:
     def storage_bytes_per_token(self, kv_bits: Optional[KVBits] = None, group_size: int = DEFAULT_GROUP_SIZE) -> int:
         """Bytes per token with keys and values stored in ``kv_bits`` (``None``: the dtype).
 
-        A quantized cache also holds its full-precision window at :attr:`bytes_per_token`.
+        A quantized cache holds its recent window at :meth:`window_bytes_per_token`.
         """
         bits = (None, None) if kv_bits is None else key_value_bits(kv_bits)
         vectors = sum(storage_bytes(self.head_dim, self.dtype_size, b, group_size) for b in bits)
         return self.layers * self.kv_heads * vectors
+
+    def window_bytes_per_token(
+        self, kv_bits: Optional[KVBits] = None, group_size: int = DEFAULT_GROUP_SIZE, window_bits: Optional[int] = None
+    ) -> Optional[int]:
+        """Bytes per token of a quantized cache's recent window (dtype, or ``window_bits``);
+        ``None`` unquantized, where the window costs what every token does."""
+        return None if kv_bits is None else self.storage_bytes_per_token(window_bits, group_size)
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -291,6 +298,22 @@ def tokens_within(
     while tokens > 0 and held_nbytes(tokens, bytes_per_token, window_bytes_per_token, full_precision_window) > nbytes:
         tokens -= 1
     return tokens
+
+
+def storage_nbytes(
+    model_or_config: Any,
+    tokens: int,
+    *,
+    kv_bits: Optional[KVBits] = None,
+    kv_group_size: int = DEFAULT_GROUP_SIZE,
+    window_bits: Optional[int] = None,
+    full_precision_window: Optional[int] = None,
+) -> int:
+    """KV bytes of a cache of ``tokens`` entries stored as ``make_cache``'s storage arguments say."""
+    shape = kv_shape(model_or_config)
+    per_token = shape.storage_bytes_per_token(kv_bits, kv_group_size)
+    window = shape.window_bytes_per_token(kv_bits, kv_group_size, window_bits)
+    return held_nbytes(tokens, per_token, window, full_precision_window)
 
 
 def held_nbytes(
@@ -464,7 +487,7 @@ def budget_tokens(
     shape = kv_shape(model_or_config)
     per_token = shape.storage_bytes_per_token(kv_bits, kv_group_size)
     window = dict(
-        window_bytes_per_token=None if kv_bits is None else shape.storage_bytes_per_token(window_bits, kv_group_size),
+        window_bytes_per_token=shape.window_bytes_per_token(kv_bits, kv_group_size, window_bits),
         full_precision_window=full_precision_window,
     )
     if request.nbytes is not None:

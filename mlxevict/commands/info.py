@@ -17,12 +17,12 @@ from ..telemetry import (
     AUTO_FRACTION,
     DEFAULT_MARGIN,
     budget_tokens,
-    held_nbytes,
     folder_dtype_size,
     format_bytes,
     kv_shape,
     memory_storage,
     parse_budget,
+    storage_nbytes,
     weights_nbytes,
 )
 from .common import add_model_argument
@@ -94,14 +94,6 @@ def storage_modes(shape, kv_memory: int) -> list[dict[str, Any]]:
     return modes
 
 
-def _held(folder: Any, tokens: int, storage: dict[str, Any]) -> int:
-    """KV bytes of ``tokens`` entries in ``storage`` (``make_cache``'s storage arguments)."""
-    shape = kv_shape(folder)
-    bits, group = storage.get("kv_bits"), storage.get("kv_group_size", DEFAULT_GROUP_SIZE)
-    window = shape.storage_bytes_per_token(storage.get("window_bits"), group) if bits else None
-    return held_nbytes(tokens, shape.storage_bytes_per_token(bits, group), window, storage.get("full_precision_window"))
-
-
 def plan(args: argparse.Namespace) -> dict[str, Any]:
     # The family choice's reason is part of the plan, so resolution reports nothing itself.
     resolved = resolve_model(args.model, weights=False, progress=sys.stderr.isatty())
@@ -124,7 +116,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     budget = min(budget, context) if context else budget
     compare_at = min(context or PLAN_TOKENS[1], PLAN_TOKENS[1])
     full = per_token * compare_at
-    held = _held(resolved.path, min(budget, compare_at), storage)
+    held = storage_nbytes(resolved.path, min(budget, compare_at), **storage)
     return {
         "model": resolved.name,
         "path": str(resolved.path),
@@ -144,10 +136,10 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "system_available": memory.available,
         "auto_budget": auto,
         "auto_kv_bits": auto_storage.get("kv_bits"),
-        "auto_budget_nbytes": _held(resolved.path, auto, auto_storage),
+        "auto_budget_nbytes": storage_nbytes(resolved.path, auto, **auto_storage),
         "budget": budget,
         "budget_kv_bits": storage.get("kv_bits"),
-        "budget_kv_nbytes": _held(resolved.path, budget, storage),
+        "budget_kv_nbytes": storage_nbytes(resolved.path, budget, **storage),
         "compare_at_tokens": compare_at,
         "saved_nbytes": full - held,
         "saved_fraction": (full - held) / full if full else 0.0,
