@@ -513,18 +513,19 @@ def test_info_plans_a_memory_budget_as_generate_runs_it(capsys, tiny32):
 def test_kv_bits_none_takes_no_storage_options(capsys, tiny):
     rc, _, err = cli(capsys, "generate", tiny, "-p", "hi", "--budget", "1MB", "--kv-bits", "none", "--fp-window", "8")
     assert rc == 1
-    one_error_line(err, "--fp-window 8 needs --kv-bits 8 or 4")
+    one_error_line(err, "--fp-window 8 needs --kv-bits 8, 4 or 5,3")
 
 
 @pytest.mark.parametrize(
     "extra, expected",
     [
-        (("--kv-group-size", "32"), "--kv-group-size 32 needs --kv-bits 8 or 4"),
+        (("--kv-group-size", "32"), "--kv-group-size 32 needs --kv-bits 8, 4 or 5,3"),
         (("--kv-bits", "8"), "kv_group_size=64 does not divide the head dim 16; store this model's KV unquantized"),
-        (("--fp-window", "16"), "--fp-window 16 needs --kv-bits 8 or 4"),
+        (("--fp-window", "16"), "--fp-window 16 needs --kv-bits 8, 4 or 5,3"),
         (("--kv-bits", "8", "--fp-window", "-1"), "--fp-window -1 must be a number of tokens >= 0"),
-        (("--window-bits", "8"), "--window-bits 8 needs --kv-bits 8 or 4"),
-        (("--kv-bits", "8", "--window-bits", "8"), "--window-bits 8 needs --kv-bits under 8, such as 4 or 5,3"),
+        # one rule, one message: an 8-bit window needs storage under 8 bits
+        (("--window-bits", "8"), "--window-bits 8 needs --kv-bits under 8, such as 4 or 5,3"),
+        (("--kv-bits", "8", "--window-bits", "8"), "--window-bits 8 needs --kv-bits under 8 (not --kv-bits 8), such"),
     ],
 )
 def test_bad_kv_bits_options_are_one_error_line(capsys, tiny, extra, expected):
@@ -569,7 +570,8 @@ def test_unsupported_kv_bits_are_refused_by_the_parser(capsys, tiny, bits):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", str(tiny), "-p", "hi", "--kv-bits", bits])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and f"--kv-bits: {bits!r}: use 8 or 4, KEY,VALUE bits of 2, 3, 4, 5, 6 or 8 such as 5,3, or none" in err
+    message = f"--kv-bits: {bits} is not supported; use 8 or 4, key and value bits of 2, 3, 4, 5, 6 or 8 such as 5,3, or none"
+    assert exit_.value.code == 2 and message in err
 
 
 def test_info_shows_bytes_per_token_per_storage_mode(capsys, tiny32, tiny):
@@ -579,8 +581,10 @@ def test_info_shows_bytes_per_token_per_storage_mode(capsys, tiny32, tiny):
     assert rc == 0 and {b: m["bytes_per_token"] for b, m in modes.items()} == {None: 1024, 8: 320, 4: 192, (5, 3): 192}
     assert modes[4]["fits_tokens"] > modes[8]["fits_tokens"] > modes[None]["fits_tokens"] > 0
     rc, out, _ = cli(capsys, "info", tiny32)
-    assert rc == 0 and re.search(r"--kv-bits 8 +320 B", out) and re.search(r"--kv-bits 4 +192 B", out)
-    assert re.search(r"--kv-bits 5,3 +192 B", out)
+    # each storage by the flags that ask for it (this head dim needs group size 32)
+    assert rc == 0 and re.search(r"--kv-bits 8 --kv-group-size 32 +320 B", out)
+    assert re.search(r"--kv-bits 4 --kv-group-size 32 +192 B", out)
+    assert re.search(r"--kv-bits 5,3 --kv-group-size 32 +192 B", out)
     rc, out, _ = cli(capsys, "info", tiny)
     assert rc == 0 and "--kv-bits needs a head dim divisible by 32, 64, 128" in out
 
