@@ -283,6 +283,18 @@ def test_info_family_name_offline(capsys, tiny, tmp_path):
     assert plan["reason"].startswith(f"chose {QWEN_1_5B}")
 
 
+def test_info_plans_the_family_offline_without_a_hub_cache(capsys, offline):
+    # HF_HUB_OFFLINE=1 and an empty HF_HOME (the offline fixture): nothing downloaded, still a plan
+    rc, out, err = cli(capsys, "info", "mlx-community/DeepSeek-R1-Distill")
+    assert rc == 0 and err == "" and "not downloaded" in out
+    assert re.search(r"8 GiB: 1\.5B +16 GiB: 8B +32 GiB: 14B +64 GiB: 32B +this machine", out)
+    rc, out, _ = cli(capsys, "info", "mlx-community/DeepSeek-R1-Distill", "--json", "--budget", "30GB")
+    plan = json.loads(out)["family"]
+    assert rc == 0 and [m["params"] for m in plan["members"]] == ["1.5B", "7B", "8B", "14B", "32B"]
+    assert plan["members"][0]["kv_bytes_per_token"] == {"16-bit": 28672, "8-bit": 15232, "4-bit": 8064, "5/3-bit": 8064}
+    assert plan["fits"]["64 GiB"] == "14B"  # 30 GB of KV leave less room for weights
+
+
 # ---- chat --plain ------------------------------------------------------------------------------------
 def test_plain_chat(capsys, tiny):
     lines = [
@@ -321,6 +333,17 @@ def test_plain_chat_with_a_memory_budget_keeps_its_storage_for_budget_changes(ca
     assert err.startswith("chatting with tiny32 (policy default, budget 499, KV in 5/3-bit); /help")
     capacities = [int(re.search(r"KV kept \d+/(\d+)", line).group(1)) for line in stats]
     assert capacities[0] == (100_000 - 32 * 320) // 192 + 32 and capacities[1] == (60_000 - 32 * 320) // 192 + 32
+
+
+def test_plain_chat_budget_command_stores_as_the_budget_flag_does(capsys, tiny32):
+    # /budget 100KB in a chat begun in tokens gets the storage --budget 100KB gets: one planner for both
+    run = ("generate", tiny32, "-p", "hi", "--budget", "100KB", "--max-tokens", "2", "--json")
+    flag = json.loads(cli(capsys, *run)[1])["cache"]
+    lines = ["/budget 100KB", "Hello there", "/quit"]
+    rc, _, err = cli(capsys, "chat", tiny32, "--plain", "--budget", "64", "--max-tokens", "4", stdin="\n".join(lines) + "\n")
+    stats = [line for line in err.splitlines() if line.startswith("[")]
+    assert rc == 0 and f"budget {flag['capacity']} tokens, KV in 5/3-bit from the next turn" in err
+    assert len(stats) == 1 and re.search(rf"KV kept \d+/{flag['capacity']},", stats[0]) and "(5/3-bit)" in stats[0]
 
 
 def test_chat_without_a_terminal_is_plain(capsys, tiny):
