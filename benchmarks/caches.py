@@ -26,8 +26,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 import mlxevict
-from mlxevict.cache import DEFAULT_BUDGET, DEFAULT_SINKS, default_slack, default_window
-from mlxevict.policies import make_policy
+from mlxevict.cache import DEFAULT_BUDGET, DEFAULT_SINKS
+from mlxevict.kvstorage import KVStorage
+from mlxevict.plan import protected_room
 
 REFERENCE = "kvcache"
 QUANTIZED_BASELINES = {"quantized8": 8, "quantized4": 4, "quantized3": 3}  # name: bits
@@ -49,9 +50,7 @@ class CacheSettings:
 
     def protected(self, budget: int, policy: str = "default") -> int:
         """Entries a budget must exceed: sinks + window + slack at this budget for ``policy``."""
-        window = default_window(budget, make_policy(policy)) if self.window is None else self.window
-        slack = default_slack(budget) if self.slack is None else self.slack
-        return self.sinks + window + slack
+        return protected_room(budget, policy, sinks=self.sinks, window=self.window, slack=self.slack)
 
 
 def cache_names() -> list[str]:
@@ -204,20 +203,22 @@ def kv_bytes_16bit(caches: Sequence[Any]) -> int:
 
 
 # ---- storage modes: "<policy>:q8" / ":q4" / ":q4w8" / ":k5v3w8" ---------------------------
-STORAGE_SUFFIXES = {
-    ":q8": {"kv_bits": 8},
-    ":q4": {"kv_bits": 4},
-    ":q4w8": {"kv_bits": 4, "window_bits": 8},
-    ":k5v3w8": {"kv_bits": (5, 3), "window_bits": 8},  # keys in 5 bits, values in 3: the bytes of :q4w8
-}
+STORAGE_SUFFIXES = (":q8", ":q4", ":q4w8", ":k5v3w8")  # :k5v3w8: keys in 5 bits, values in 3, the bytes of :q4w8
 
 
 def split_storage(name: str) -> tuple[str, dict[str, Any]]:
-    """``"default:q4w8"`` → ``("default", {"kv_bits": 4, "window_bits": 8})``; other names → ``(name, {})``."""
-    for suffix, storage in STORAGE_SUFFIXES.items():
+    """``"default:q4w8"`` → ``("default", {"kv_bits": 4, "window_bits": 8})``; other names → ``(name, {})``.
+
+    The suffix is :attr:`mlxevict.kvstorage.KVStorage.suffix`; the dict holds the arguments it sets.
+    """
+    for suffix in STORAGE_SUFFIXES:
         if name.endswith(suffix):
-            return name[: -len(suffix)], dict(storage)
+            storage = KVStorage.from_suffix(suffix)
+            return name[: -len(suffix)], {k: v for k, v in storage.options().items() if k in _SUFFIX_SETS and v}
     return name, {}
+
+
+_SUFFIX_SETS = ("kv_bits", "window_bits")  # what a suffix sets; the rest stay make_cache's defaults
 
 
 def _known(name: str) -> bool:

@@ -1,6 +1,6 @@
 """Quality per KV byte of evicting *and* quantizing, against mlx-lm's caches, in one run.
 
-    scripts/with-openblas python -m benchmarks.kv_bits [MODEL] --out docs/results/kv_bits
+    scripts/with-openblas python -m mlxevict.benchmarks.kv_bits [MODEL] --out docs/results/kv_bits
 
 Two parts on one model, one process:
 
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "kind": "kv_bits",
         "model": resolved.name,
-        "command": "python -m benchmarks.kv_bits " + " ".join(sys.argv[1:]),
+        "command": "python -m mlxevict.benchmarks.kv_bits " + " ".join(sys.argv[1:]),
         "machine": f"{platform.system()} {platform.machine()}, {mx.default_device()}",
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_bits", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mlxevict.benchmarks.kv_bits", description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", default=None, help="an MLX model (default: the offline demo model)")
     p.add_argument("--out", type=Path, default=Path("docs/results/kv_bits"))
     p.add_argument(

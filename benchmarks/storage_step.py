@@ -1,6 +1,6 @@
 """Where a decode step's time goes in quantized storage: one layer's write, then its attention.
 
-``python -m benchmarks.kv_bits`` measures whole-model decode speed per storage mode;
+``python -m mlxevict.benchmarks.kv_bits`` measures whole-model decode speed per storage mode;
 this splits one layer's step (SmolLM2-135M's shapes: 3 kv-heads, 9 query heads,
 head dim 64) into the cache write (fold, window shift, quantize) and the attention,
 with synthetic keys, the modes taking turns in rounds (the first round warms up):
@@ -54,7 +54,7 @@ def step_ms(caches: dict, queries: mx.array, keys: mx.array, attend: bool, round
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.storage_step", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m mlxevict.benchmarks.storage_step", description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=40)

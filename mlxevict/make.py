@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import mlx.nn as nn
 
 from .cache import DEFAULT_BUDGET, DEFAULT_SINKS, EvictingKVCache
 from .patch import patch
-from .quantized import DEFAULT_GROUP_SIZE, KVBits, QuantizedEvictingKVCache, check_storage, model_head_dim
-from .telemetry import budget_tokens, memory_storage, parse_budget
+from .kvstorage import DEFAULT_GROUP_SIZE, KVBits, KVStorage
+from .plan import plan_cache
+from .quantized import QuantizedEvictingKVCache
 
 
 def make_cache(
@@ -65,35 +67,16 @@ def make_cache(
         ValueError: unsupported architecture, unknown policy, a budget that cannot
             work, or a ``kv_bits``/``kv_group_size`` the model cannot use.
     """
-    if isinstance(budget, str):
-        request = parse_budget(budget)
-        limit = getattr(model.args, "max_position_embeddings", None)
-        if request.tokens is None and kv_bits is None:
-            stored = memory_storage(request, model, limit)
-            kv_bits, window_bits = stored.get("kv_bits"), stored.get("window_bits")
-            kv_group_size = stored.get("kv_group_size", kv_group_size)
-        storage = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, full_precision_window=full_precision_window)
-        tokens = budget_tokens(request, model, context_limit=limit, window_bits=window_bits, **storage)
-        if tokens < 1:
-            raise ValueError(f"budget={budget!r} holds no token of this model's KV")
-        budget = min(tokens, limit) if limit else tokens
+    given = KVStorage.of(kv_bits, kv_group_size if kv_bits is not None else None, full_precision_window, window_bits, kv_rotate)
+    # Without kv_bits the planner chooses: the dtype for tokens, its memory rule for a budget in memory.
+    plan = plan_cache(model, budget, given if given.quantized else None)
+    for note in plan.notes:
+        warnings.warn(note, stacklevel=2)
+    storage = plan.storage
+    cls = QuantizedEvictingKVCache if storage.quantized else EvictingKVCache
     options: dict[str, Any] = dict(sinks=sinks, window=window, slack=slack, prompt_mode=prompt_mode, pinned=pinned)
-    cls = EvictingKVCache
-    if window_bits is not None and kv_bits is None:
-        raise ValueError(
-            f"window_bits={window_bits} needs kv_bits under 8, such as 4 or (5, 3): it stores the recent "
-            "window in 8 bits when the rest takes fewer"
-        )
-    if kv_bits is not None:
-        check_storage(kv_bits, kv_group_size, (model_head_dim(model),), window_bits)
-        cls = QuantizedEvictingKVCache
-        options.update(
-            kv_bits=kv_bits,
-            kv_group_size=kv_group_size,
-            full_precision_window=full_precision_window,
-            kv_rotate=kv_rotate,
-            window_bits=window_bits,
-        )
+    options.update(storage.options())
+    budget = plan.tokens
     caches = [cls(policy, budget, **options, **policy_kwargs) for _ in model.layers]
     patch(model)
     return caches

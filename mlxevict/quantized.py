@@ -46,63 +46,30 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .cache import DEFAULT_BUDGET, GROW_STEP, EvictingKVCache, default_window, fit_slots
+from .geometry import model_head_dim  # noqa: F401 (its old import path)
+from .kvstorage import (  # noqa: F401 (their old import path)
+    DEFAULT_GROUP_SIZE,
+    GROUP_SIZES,
+    KV_BITS,
+    PAIR_BITS,
+    SPLIT_BITS,
+    KVBits,
+    bits_label,
+    check,
+    key_value_bits,
+    storage_bytes,
+)
 from .policies import Policy
 
-KV_BITS = (8, 4)
-PAIR_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports, for a (key bits, value bits) pair
-KVBits = Union[int, tuple[int, int]]
-SPLIT_BITS = (5, 3)  # keys finer than values, at the bytes of 4 bits: the keys carry the error (README)
 # A block of entries: model-dtype ``(B, H, N, D)``, or ``mx.quantize``'s (packed, scales, biases).
 Entries = Union[mx.array, tuple[mx.array, mx.array, mx.array]]
-GROUP_SIZES = (32, 64, 128)  # what mx.quantize supports
-DEFAULT_GROUP_SIZE = 64  # mlx-lm's --kv-group-size default
 
 
 def check_storage(
     kv_bits: Any, group_size: Any, head_dims: tuple[int, ...] = (), window_bits: Any = None
 ) -> None:
-    """Raise a ``ValueError`` naming the bad value and the fix.
-
-    Args:
-        kv_bits: 8 or 4, or a ``(key bits, value bits)`` pair of 2, 3, 4, 5, 6 or 8.
-        group_size: 32, 64 or 128, dividing every head dim.
-        head_dims: the key and value head dims, when known.
-        window_bits: ``None`` or 8 (when keys and values are both under 8 bits).
-    """
-    if not _supported_bits(kv_bits):
-        raise ValueError(
-            f"kv_bits={kv_bits!r} is not supported; use 8 or 4, a (key bits, value bits) pair of "
-            f"{', '.join(map(str, PAIR_BITS))} such as (5, 3), or None to store the model's dtype"
-        )
-    if window_bits is not None and (window_bits not in KV_BITS or window_bits <= max(key_value_bits(kv_bits))):
-        raise ValueError(
-            f"window_bits={window_bits!r} with kv_bits={kv_bits}: the recent window is stored in 8 bits under "
-            "storage below 8 bits, or in the model's dtype (window_bits=None)"
-        )
-    if group_size not in GROUP_SIZES or isinstance(group_size, bool):
-        raise ValueError(f"kv_group_size={group_size!r} is not supported by mx.quantize; use 32, 64 or 128")
-    for dim in head_dims:
-        if dim % group_size:
-            fits = [str(g) for g in GROUP_SIZES if dim % g == 0]
-            fix = f"use --kv-group-size {' or '.join(fits)}" if fits else "store this model's KV unquantized"
-            raise ValueError(f"kv_group_size={group_size} does not divide the head dim {dim}; {fix}")
-
-
-def _supported_bits(kv_bits: Any) -> bool:
-    if isinstance(kv_bits, (tuple, list)):
-        return len(kv_bits) == 2 and all(b in PAIR_BITS and not isinstance(b, bool) for b in kv_bits)
-    return kv_bits in KV_BITS and not isinstance(kv_bits, bool)
-
-
-def key_value_bits(kv_bits: KVBits) -> tuple[int, int]:
-    """``(key bits, value bits)`` of ``kv_bits`` (one number means both)."""
-    return (kv_bits, kv_bits) if isinstance(kv_bits, int) else (int(kv_bits[0]), int(kv_bits[1]))
-
-
-def bits_label(kv_bits: KVBits) -> str:
-    """``"4-bit"``, or ``"5/3-bit"`` for keys in 5 and values in 3."""
-    key_bits, value_bits = key_value_bits(kv_bits)
-    return f"{key_bits}-bit" if key_bits == value_bits else f"{key_bits}/{value_bits}-bit"
+    """Raise a ``ValueError`` naming the bad value and the fix (the rules: :func:`mlxevict.kvstorage.check`)."""
+    check(kv_bits, group_size, window_bits=window_bits, head_dims=head_dims)
 
 
 @lru_cache(maxsize=8)
@@ -122,25 +89,6 @@ def rotation_matrix(dim: int) -> mx.array:
         return signs * h / math.sqrt(dim)
     q, _ = mx.linalg.qr(mx.random.normal((dim, dim), key=key), stream=mx.cpu)
     return q
-
-
-def model_head_dim(model: Any) -> int:
-    """The attention head dim of an mlx-lm model, from its ``ModelArgs``."""
-    args = model.args
-    return getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
-
-
-def storage_bytes(
-    dim: int, dtype_size: int, bits: Optional[int] = None, group_size: int = DEFAULT_GROUP_SIZE
-) -> int:
-    """Bytes one stored key (or value) vector of ``dim`` elements takes.
-
-    Model dtype: ``dim × dtype_size``; quantized: ``dim × bits / 8`` plus a scale
-    and a bias (model dtype) per group.
-    """
-    if bits is None:
-        return dim * dtype_size
-    return dim * bits // 8 + 2 * (dim // group_size) * dtype_size
 
 
 def _quantized(entries: Entries) -> bool:

@@ -17,66 +17,27 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import psutil
 
 from .demo_model import cache_dir, demo_model_path
 from .errors import MlxEvictError
+from .family import (  # noqa: F401 (their old import path)
+    DEEPSEEK_R1_DISTILL,
+    FAMILY_NAME,
+    FamilyMember,
+    choose_family_member,
+    is_family_name,
+)
+from .geometry import read_config
 from .patch import SUPPORTED_ARCHITECTURES
-from .telemetry import format_bytes, read_config
 
-FAMILY_NAME = "mlx-community/DeepSeek-R1-Distill"
 DEMO_NAME = "demo"
-USEFUL_BUDGET = 4096  # KV entries a reasoning model needs to think usefully with eviction
-OVERHEAD_BYTES = 1 * 1000**3  # tokenizer, the Python process, prefill buffers
-OVERHEAD_SHARE = 0.10  # activations and MLX's buffer cache grow with the model
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 Report = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class FamilyMember:
-    """One 4-bit mlx-community DeepSeek-R1-Distill repo, with what sizing needs to know."""
-
-    repo: str
-    params: str  # "7B"
-    base: str  # "Qwen" or "Llama"
-    weights_gb: float  # approximate download size, 10^9 bytes
-    layers: int
-    kv_heads: int
-    head_dim: int = 128
-    dtype_size: int = 2  # bfloat16 activations
-    context: int = 131072
-
-    @property
-    def weights_nbytes(self) -> int:
-        return int(self.weights_gb * 1000**3)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.layers * self.kv_heads * self.head_dim * 2 * self.dtype_size
-
-    @property
-    def overhead_nbytes(self) -> int:
-        return OVERHEAD_BYTES + int(OVERHEAD_SHARE * self.weights_nbytes)
-
-    @property
-    def need_nbytes(self) -> int:
-        """Weights + a :data:`USEFUL_BUDGET` KV cache + overhead."""
-        return self.weights_nbytes + USEFUL_BUDGET * self.kv_bytes_per_token + self.overhead_nbytes
-
-
-# Smallest first. Layer counts and kv-heads are the models' config.json values.
-DEEPSEEK_R1_DISTILL: tuple[FamilyMember, ...] = (
-    FamilyMember("mlx-community/DeepSeek-R1-Distill-Qwen-1.5B-4bit", "1.5B", "Qwen", 1.0, layers=28, kv_heads=2),
-    FamilyMember("mlx-community/DeepSeek-R1-Distill-Qwen-7B-4bit", "7B", "Qwen", 4.3, layers=28, kv_heads=4),
-    FamilyMember("mlx-community/DeepSeek-R1-Distill-Llama-8B-4bit", "8B", "Llama", 4.5, layers=32, kv_heads=8),
-    FamilyMember("mlx-community/DeepSeek-R1-Distill-Qwen-14B-4bit", "14B", "Qwen", 8.3, layers=48, kv_heads=8),
-    FamilyMember("mlx-community/DeepSeek-R1-Distill-Qwen-32B-4bit", "32B", "Qwen", 18.4, layers=64, kv_heads=8),
-)
 
 
 @dataclass(frozen=True)
@@ -132,64 +93,6 @@ def cached_snapshot(repo: str, *, weights: bool = True) -> Optional[Path]:
     if weights and not any(snapshot.glob("*.safetensors")):
         return None
     return snapshot
-
-
-# ---- the family name ------------------------------------------------------------
-def is_family_name(name: str) -> bool:
-    return name.strip().rstrip("/").lower() in {FAMILY_NAME.lower(), FAMILY_NAME.split("/")[1].lower()}
-
-
-def choose_family_member(memory: int, *, cached: Sequence[str] = ()) -> tuple[FamilyMember, str]:
-    """The largest DeepSeek-R1-Distill 4-bit repo whose weights + a useful KV budget fit ``memory``.
-
-    A model may use about 2/3 of memory up to 36 GB and 3/4 above (macOS's GPU
-    working-set limit; the rest stays with the system). When ``cached`` is given
-    (offline), the largest fitting repo among those is chosen and the reason says
-    which larger one was skipped.
-
-    Args:
-        memory: the machine's total memory in bytes.
-        cached: repo ids available locally; empty means any may be downloaded.
-
-    Returns:
-        ``(member, reason)``.
-
-    Raises:
-        MlxEvictError: not even the smallest fits (or none that fits is cached).
-    """
-    usable = memory * (2 / 3 if memory <= 36 * 1024**3 else 3 / 4)
-    fitting = [m for m in DEEPSEEK_R1_DISTILL if m.need_nbytes <= usable]
-    if not fitting:
-        smallest = DEEPSEEK_R1_DISTILL[0]
-        raise MlxEvictError(
-            f"no DeepSeek-R1-Distill model fits {format_bytes(memory)} of memory: the smallest, "
-            f"{smallest.repo}, needs about {format_bytes(smallest.need_nbytes)}; try the demo model (no MODEL)"
-        )
-    best = fitting[-1]
-    choice = best
-    skipped = ""
-    if cached:
-        have = [m for m in fitting if m.repo in cached]
-        if not have:
-            raise MlxEvictError(
-                f"{best.repo} fits this machine but is not in the local hub cache and HF_HUB_OFFLINE is set; "
-                f"fetch it with `hf download {best.repo}` (or unset HF_HUB_OFFLINE)"
-            )
-        choice = have[-1]
-        if choice is not best:
-            skipped = f"; {best.params} would fit but is not cached and HF_HUB_OFFLINE is set"
-    kv = USEFUL_BUDGET * choice.kv_bytes_per_token
-    reason = (
-        f"chose {choice.repo}: {format_bytes(choice.weights_nbytes)} of weights + "
-        f"{format_bytes(kv)} KV for a {USEFUL_BUDGET}-token budget + {format_bytes(choice.overhead_nbytes)} overhead "
-        f"= {format_bytes(choice.need_nbytes)}, within the {format_bytes(usable)} a model may use of "
-        f"{format_bytes(memory)}{skipped}"
-    )
-    larger = DEEPSEEK_R1_DISTILL.index(choice) + 1
-    if not skipped and larger < len(DEEPSEEK_R1_DISTILL):
-        nxt = DEEPSEEK_R1_DISTILL[larger]
-        reason += f"; {nxt.params} needs {format_bytes(nxt.need_nbytes)}"
-    return choice, reason
 
 
 # ---- suggestions ------------------------------------------------------------------
@@ -322,17 +225,20 @@ def resolve_model(
     progress: bool = False,
     gguf_dtype: Optional[str] = None,
     report: Optional[Report] = None,
+    budget: Any = None,
 ) -> Resolved:
     """Find (and if needed fetch or convert) the model folder for what the user typed.
 
     Args:
         name: a folder, a ``.gguf`` file, ``org/name``, the family name
             ``mlx-community/DeepSeek-R1-Distill``, ``"demo"`` or ``None`` (the demo model).
-        memory: total memory for the family choice; default this machine's.
+        memory: total memory for the family choice, for a machine of that size with the usual apps
+            open; default this machine's total and what it has available now.
         weights: ``False`` fetches only a hub repo's JSON files (enough for a memory plan).
         progress: show download and conversion progress bars on stderr.
         gguf_dtype: ``None`` keeps a GGUF's tensors as stored; ``"float16"``/``"float32"`` dequantizes.
         report: called with one human line for each decision worth telling (the family choice).
+        budget: the ``--budget`` the model will run with, for the family choice (default 2048 tokens).
 
     Returns:
         A :class:`Resolved`.
@@ -360,9 +266,12 @@ def resolve_model(
     if _looks_like_path(name):
         raise MlxEvictError(f"{name}: no such file or folder{suggest(name)}")
     if is_family_name(name):
-        total = memory or psutil.virtual_memory().total
+        system = psutil.virtual_memory()
+        total, available = (memory, None) if memory else (system.total, system.available)
         cached = [m.repo for m in DEEPSEEK_R1_DISTILL if cached_snapshot(m.repo, weights=weights)]
-        member, reason = choose_family_member(total, cached=cached if hub_offline() else ())
+        member, reason = choose_family_member(
+            total, cached=cached if hub_offline() else (), available=available, budget=budget
+        )
         if report:
             report(reason)
         return Resolved(hub_snapshot(member.repo, weights=weights, progress=progress), member.repo, "family", reason)

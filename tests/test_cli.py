@@ -283,6 +283,18 @@ def test_info_family_name_offline(capsys, tiny, tmp_path):
     assert plan["reason"].startswith(f"chose {QWEN_1_5B}")
 
 
+def test_info_plans_the_family_offline_without_a_hub_cache(capsys, offline):
+    # HF_HUB_OFFLINE=1 and an empty HF_HOME (the offline fixture): nothing downloaded, still a plan
+    rc, out, err = cli(capsys, "info", "mlx-community/DeepSeek-R1-Distill")
+    assert rc == 0 and err == "" and "not downloaded" in out
+    assert re.search(r"8 GiB: 1\.5B +16 GiB: 8B +32 GiB: 14B +64 GiB: 32B +this machine", out)
+    rc, out, _ = cli(capsys, "info", "mlx-community/DeepSeek-R1-Distill", "--json", "--budget", "30GB")
+    plan = json.loads(out)["family"]
+    assert rc == 0 and [m["params"] for m in plan["members"]] == ["1.5B", "7B", "8B", "14B", "32B"]
+    assert plan["members"][0]["kv_bytes_per_token"] == {"16-bit": 28672, "8-bit": 15232, "4-bit": 8064, "5/3-bit": 8064}
+    assert plan["fits"]["64 GiB"] == "14B"  # 30 GB of KV leave less room for weights
+
+
 # ---- chat --plain ------------------------------------------------------------------------------------
 def test_plain_chat(capsys, tiny):
     lines = [
@@ -321,6 +333,17 @@ def test_plain_chat_with_a_memory_budget_keeps_its_storage_for_budget_changes(ca
     assert err.startswith("chatting with tiny32 (policy default, budget 499, KV in 5/3-bit); /help")
     capacities = [int(re.search(r"KV kept \d+/(\d+)", line).group(1)) for line in stats]
     assert capacities[0] == (100_000 - 32 * 320) // 192 + 32 and capacities[1] == (60_000 - 32 * 320) // 192 + 32
+
+
+def test_plain_chat_budget_command_stores_as_the_budget_flag_does(capsys, tiny32):
+    # /budget 100KB in a chat begun in tokens gets the storage --budget 100KB gets: one planner for both
+    run = ("generate", tiny32, "-p", "hi", "--budget", "100KB", "--max-tokens", "2", "--json")
+    flag = json.loads(cli(capsys, *run)[1])["cache"]
+    lines = ["/budget 100KB", "Hello there", "/quit"]
+    rc, _, err = cli(capsys, "chat", tiny32, "--plain", "--budget", "64", "--max-tokens", "4", stdin="\n".join(lines) + "\n")
+    stats = [line for line in err.splitlines() if line.startswith("[")]
+    assert rc == 0 and f"budget {flag['capacity']} tokens, KV in 5/3-bit from the next turn" in err
+    assert len(stats) == 1 and re.search(rf"KV kept \d+/{flag['capacity']},", stats[0]) and "(5/3-bit)" in stats[0]
 
 
 def test_chat_without_a_terminal_is_plain(capsys, tiny):
@@ -513,18 +536,19 @@ def test_info_plans_a_memory_budget_as_generate_runs_it(capsys, tiny32):
 def test_kv_bits_none_takes_no_storage_options(capsys, tiny):
     rc, _, err = cli(capsys, "generate", tiny, "-p", "hi", "--budget", "1MB", "--kv-bits", "none", "--fp-window", "8")
     assert rc == 1
-    one_error_line(err, "--fp-window 8 needs --kv-bits 8 or 4")
+    one_error_line(err, "--fp-window 8 needs --kv-bits 8, 4 or 5,3")
 
 
 @pytest.mark.parametrize(
     "extra, expected",
     [
-        (("--kv-group-size", "32"), "--kv-group-size 32 needs --kv-bits 8 or 4"),
+        (("--kv-group-size", "32"), "--kv-group-size 32 needs --kv-bits 8, 4 or 5,3"),
         (("--kv-bits", "8"), "kv_group_size=64 does not divide the head dim 16; store this model's KV unquantized"),
-        (("--fp-window", "16"), "--fp-window 16 needs --kv-bits 8 or 4"),
+        (("--fp-window", "16"), "--fp-window 16 needs --kv-bits 8, 4 or 5,3"),
         (("--kv-bits", "8", "--fp-window", "-1"), "--fp-window -1 must be a number of tokens >= 0"),
-        (("--window-bits", "8"), "--window-bits 8 needs --kv-bits 8 or 4"),
-        (("--kv-bits", "8", "--window-bits", "8"), "--window-bits 8 needs --kv-bits under 8, such as 4 or 5,3"),
+        # one rule, one message: an 8-bit window needs storage under 8 bits
+        (("--window-bits", "8"), "--window-bits 8 needs --kv-bits under 8, such as 4 or 5,3"),
+        (("--kv-bits", "8", "--window-bits", "8"), "--window-bits 8 needs --kv-bits under 8 (not --kv-bits 8), such"),
     ],
 )
 def test_bad_kv_bits_options_are_one_error_line(capsys, tiny, extra, expected):
@@ -569,7 +593,8 @@ def test_unsupported_kv_bits_are_refused_by_the_parser(capsys, tiny, bits):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", str(tiny), "-p", "hi", "--kv-bits", bits])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and f"--kv-bits: {bits!r}: use 8 or 4, KEY,VALUE bits of 2, 3, 4, 5, 6 or 8 such as 5,3, or none" in err
+    message = f"--kv-bits: {bits} is not supported; use 8 or 4, key and value bits of 2, 3, 4, 5, 6 or 8 such as 5,3, or none"
+    assert exit_.value.code == 2 and message in err
 
 
 def test_info_shows_bytes_per_token_per_storage_mode(capsys, tiny32, tiny):
@@ -579,8 +604,10 @@ def test_info_shows_bytes_per_token_per_storage_mode(capsys, tiny32, tiny):
     assert rc == 0 and {b: m["bytes_per_token"] for b, m in modes.items()} == {None: 1024, 8: 320, 4: 192, (5, 3): 192}
     assert modes[4]["fits_tokens"] > modes[8]["fits_tokens"] > modes[None]["fits_tokens"] > 0
     rc, out, _ = cli(capsys, "info", tiny32)
-    assert rc == 0 and re.search(r"--kv-bits 8 +320 B", out) and re.search(r"--kv-bits 4 +192 B", out)
-    assert re.search(r"--kv-bits 5,3 +192 B", out)
+    # each storage by the flags that ask for it (this head dim needs group size 32)
+    assert rc == 0 and re.search(r"--kv-bits 8 --kv-group-size 32 +320 B", out)
+    assert re.search(r"--kv-bits 4 --kv-group-size 32 +192 B", out)
+    assert re.search(r"--kv-bits 5,3 --kv-group-size 32 +192 B", out)
     rc, out, _ = cli(capsys, "info", tiny)
     assert rc == 0 and "--kv-bits needs a head dim divisible by 32, 64, 128" in out
 

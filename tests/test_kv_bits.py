@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from tiny_models import random_tokens, tiny_model
 
 from mlxevict import QuantizedEvictingKVCache
-
-# This checkout's benchmarks/, whichever checkout an editable install of mlxevict points at.
-ROOT = str(Path(__file__).resolve().parents[1])
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-from benchmarks import caches as bcaches  # noqa: E402
-from benchmarks import kv_bits  # noqa: E402
+from mlxevict.benchmarks import caches as bcaches
+from mlxevict.benchmarks import kv_bits
 
 
 @pytest.fixture(scope="module")

@@ -312,10 +312,10 @@ def test_8bit_window_costs_its_tokens_in_8_bits():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(kv_bits=3), r"kv_bits=3 is not supported; use 8 or 4, a \(key bits, value bits\) pair"),
+        (dict(kv_bits=3), r"kv_bits=3 is not supported; use 8 or 4, key and value bits of 2, 3, 4, 5, 6 or 8 such as \(5, 3\)"),
         (dict(kv_bits=(7, 3)), r"kv_bits=\(7, 3\) is not supported"),
         (dict(kv_bits=(5, 3, 2)), r"kv_bits=\(5, 3, 2\) is not supported"),
-        (dict(kv_bits=(8, 4), kv_group_size=GROUP, window_bits=8), r"window_bits=8 with kv_bits=\(8, 4\)"),
+        (dict(kv_bits=(8, 4), kv_group_size=GROUP, window_bits=8), r"window_bits=8 needs kv_bits under 8 \(not kv_bits=\(8, 4\)\)"),
         (dict(kv_bits=16), r"kv_bits=16 is not supported"),
         (dict(kv_bits=8, kv_group_size=48), r"kv_group_size=48 is not supported by mx.quantize; use 32, 64 or 128"),
         (
@@ -323,8 +323,8 @@ def test_8bit_window_costs_its_tokens_in_8_bits():
             r"kv_group_size=64 does not divide the head dim 32; use --kv-group-size 32",
         ),
         (dict(kv_bits=4, kv_group_size=GROUP, full_precision_window=-1), r"full_precision_window=-1 must be"),
-        (dict(kv_bits=8, kv_group_size=GROUP, window_bits=8), r"window_bits=8 with kv_bits=8: the recent window"),
-        (dict(kv_bits=4, kv_group_size=GROUP, window_bits=4), r"window_bits=4 with kv_bits=4"),
+        (dict(kv_bits=8, kv_group_size=GROUP, window_bits=8), r"window_bits=8 needs kv_bits under 8 \(not kv_bits=8\), such as 4 or \(5, 3\): the recent window"),
+        (dict(kv_bits=4, kv_group_size=GROUP, window_bits=4), r"window_bits=4 is not supported; use 8"),
         (dict(window_bits=8), r"window_bits=8 needs kv_bits under 8, such as 4 or \(5, 3\)"),
         (
             dict(kv_bits=4, kv_group_size=GROUP, budget=40, full_precision_window=36),

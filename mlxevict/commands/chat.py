@@ -10,21 +10,19 @@ from ..errors import MlxEvictError
 from ..events import Finished, TextChunk
 from ..generate import ChatSession
 from ..policies import policy_names
-from ..quantized import bits_label
-from ..telemetry import MemoryGuard, parse_budget
+from ..budget import parse_budget
+from ..memory import MemoryGuard
 from .common import (
-    STORAGE_KEYS,
     TextPrinter,
     add_cache_options,
     add_model_argument,
     add_sampling_options,
     budget_option,
-    cache_storage,
     check_sampling,
     load,
-    resolve_budget,
+    plan_budget,
     stats_line,
-    storage_options,
+    storage_flags,
 )
 
 HELP = """\
@@ -72,14 +70,14 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     request = budget_option(args)
     check_sampling(args)
-    storage_options(args)  # bad storage options fail before a model loads
+    storage = storage_flags(args)  # bad storage options fail before a model loads
     resolved, model, tokenizer = load(args)
-    storage = cache_storage(args, request, model)
+    plan = plan_budget(model, request, storage)
     session = ChatSession(
         model,
         tokenizer,
         policy=args.policy,
-        budget=resolve_budget(request, model, **storage),
+        budget=plan.tokens,
         system=args.system,
         max_tokens=args.max_tokens,
         temp=args.temp,
@@ -88,7 +86,8 @@ def run_chat(args: argparse.Namespace) -> int:
         guard=MemoryGuard(),
         sinks=args.sinks,
         window=args.window,
-        **storage,
+        storage_request=storage,
+        **plan.storage.options(),
     )
     if args.plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
         return repl(session, resolved.name, sys.stdin, sys.stdout, sys.stderr, show_reasoning=not args.hide_reasoning)
@@ -118,10 +117,10 @@ def command(session: ChatSession, line: str, err: TextIO) -> bool:
         session.configure(policy=value)
         print(f"policy {value} from the next turn", file=err)
     elif name == "/budget":
-        storage = {k: v for k, v in session.cache_options.items() if k in STORAGE_KEYS}
-        budget = resolve_budget(parse_budget(value), session.model, **storage)
-        session.configure(budget=budget)
-        print(f"budget {budget} tokens from the next turn", file=err)
+        plan = plan_budget(session.model, parse_budget(value), session.storage_request)
+        session.configure(budget=plan.tokens, storage=plan.storage)
+        stored = f", KV in {plan.storage.label}" if plan.storage.quantized else ""
+        print(f"budget {plan.tokens} tokens{stored} from the next turn", file=err)
     else:
         raise MlxEvictError(f"unknown command {name!r}; /help lists them")
     return True
@@ -151,8 +150,7 @@ def turn(session: ChatSession, text: str, out: TextIO, err: TextIO, show_reasoni
 def repl(session: ChatSession, name: str, inp: TextIO, out: TextIO, err: TextIO, *, show_reasoning: bool = True) -> int:
     """Read messages line by line until EOF or ``/quit``; 130 on Ctrl-C at the prompt."""
     prompt = inp is sys.stdin and inp.isatty()
-    kv_bits = session.cache_options.get("kv_bits")
-    storage = f", KV in {bits_label(kv_bits)}" if kv_bits else ""
+    storage = f", KV in {session.storage.label}" if session.storage.quantized else ""
     settings = f"policy {session.policy}, budget {session.budget}{storage}"
     print(f"chatting with {name} ({settings}); /help for commands", file=err)
     while True:

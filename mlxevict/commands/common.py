@@ -7,24 +7,25 @@ import os
 import sys
 from typing import Any, Optional, TextIO
 
+from ..budget import DEFAULT_BUDGET_TEXT, BudgetRequest, parse_budget  # noqa: F401 (DEFAULT_BUDGET_TEXT: old path)
 from ..cache import DEFAULT_BUDGET, DEFAULT_SINKS, DEFAULT_WINDOW
+from ..chat_session import STORAGE_KEYS  # noqa: F401 (make_cache's storage arguments; old import path)
 from ..errors import MlxEvictError
 from ..events import Finished
 from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_TEMP, DEFAULT_TOP_P
+from ..kvstorage import DEFAULT_GROUP_SIZE, FLAGS, NONE, KVBits, KVStorage, bits_label, check, parse_bits
 from ..make import make_cache
+from ..memory import format_bytes
+from ..plan import CachePlan, plan_cache
 from ..policies import policy_names
-from ..quantized import DEFAULT_GROUP_SIZE, PAIR_BITS, KVBits, bits_label, check_storage, key_value_bits
 from ..resolve import FAMILY_NAME, Resolved, load_model, resolve_model
-from ..telemetry import BudgetRequest, budget_tokens, format_bytes, kv_bytes_per_token, memory_storage, parse_budget
 
 MODEL_HELP = (
     f"an MLX model folder, a .gguf file, a Hugging Face repo id, or {FAMILY_NAME} "
     "(the largest distill that fits this machine); default: the offline demo model (SmolLM2-135M-Instruct)"
 )
 DIM, RESET = "\x1b[2m", "\x1b[0m"
-DEFAULT_BUDGET_TEXT = f"default ({DEFAULT_BUDGET})"
-STORAGE_KEYS = ("kv_bits", "kv_group_size", "full_precision_window", "window_bits")  # make_cache's storage
-KV_BITS_NONE = "none"  # --kv-bits none: the model's dtype, also under a budget in memory
+KV_BITS_NONE = NONE  # --kv-bits none: the model's dtype, also under a budget in memory
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -117,91 +118,75 @@ def report(line: str) -> None:
 
 def load(args: argparse.Namespace) -> tuple[Resolved, Any, Any]:
     """Resolve ``args.model`` (telling the user about choices) and load it."""
-    resolved = resolve_model(args.model, progress=sys.stderr.isatty(), report=report)
+    budget = getattr(args, "budget", None)  # the family choice counts the KV of the budget the run will use
+    resolved = resolve_model(args.model, progress=sys.stderr.isatty(), report=report, budget=budget)
     model, tokenizer = load_model(resolved)
     return resolved, model, tokenizer
 
 
-def resolve_budget(request: BudgetRequest, model: Any, **storage: Any) -> int:
-    """Tokens for ``--budget``, capped at the model's context.
+def storage_flags(args: argparse.Namespace) -> Optional[KVStorage]:
+    """The storage the flags ask for (checked, errors naming the flags); ``None``: the planner's rule."""
+    flags = (args.kv_group_size, args.fp_window, args.window_bits)
+    if args.kv_bits is None and all(value is None for value in flags):
+        return None
+    bits = None if args.kv_bits in (None, KV_BITS_NONE) else args.kv_bits
+    try:
+        return KVStorage.of(bits, *flags, names=FLAGS)
+    except ValueError as err:
+        raise MlxEvictError(str(err)) from None
 
-    Memory forms use the KV bytes per token of the storage (``storage``: ``make_cache``'s storage
-    arguments), the recent window at its own size.
-    """
-    limit = getattr(model.args, "max_position_embeddings", None)
-    tokens = budget_tokens(request, model, context_limit=limit, **storage)
-    if request.nbytes is not None and tokens < 1:
-        per_token = kv_bytes_per_token(
-            model, kv_bits=storage.get("kv_bits"), kv_group_size=storage.get("kv_group_size", DEFAULT_GROUP_SIZE)
-        )
-        raise MlxEvictError(
-            f"--budget {request.text} holds no token of this model's KV ({per_token} bytes per "
-            "token); give more memory or a number of tokens"
-        )
-    if limit and tokens > limit:
-        # The cache allocates its budget up front; slots beyond the context would never be used.
-        if request.text != DEFAULT_BUDGET_TEXT:
-            report(
-                f"--budget {request.text} is {tokens} tokens, more than the model's context of {limit}; using {limit}"
-            )
-        tokens = limit
-    return tokens
+
+def plan_budget(model: Any, request: BudgetRequest, storage: Optional[KVStorage] = None) -> CachePlan:
+    """:func:`~mlxevict.plan.plan_cache` with CLI wording: its notes told on stderr, its errors one line."""
+    try:
+        plan = plan_cache(model, request, storage)
+    except ValueError as err:
+        raise MlxEvictError(str(err)) from None
+    for note in plan.notes:
+        report(note)
+    return plan
+
+
+def resolve_budget(request: BudgetRequest, model: Any, **storage: Any) -> int:
+    """Tokens for ``--budget`` in the storage ``storage`` (``make_cache``'s storage arguments), capped at the
+    model's context (see :func:`plan_budget`)."""
+    return plan_budget(model, request, KVStorage.from_options(**storage)).tokens
 
 
 def kv_bits_option(text: str) -> KVBits | str:
     """``--kv-bits``: ``8``, ``4``, ``KEY,VALUE`` bits such as ``5,3``, or ``none`` (the model's dtype)."""
-    if text == KV_BITS_NONE:
-        return text
     try:
-        parts = [int(part) for part in text.split(",")]
-        bits = parts[0] if len(parts) == 1 else tuple(parts)
-        check_storage(bits, DEFAULT_GROUP_SIZE)
-    except ValueError:
-        pair_bits = f"{', '.join(map(str, PAIR_BITS[:-1]))} or {PAIR_BITS[-1]}"
-        message = f"{text!r}: use 8 or 4, KEY,VALUE bits of {pair_bits} such as 5,3, or none"
-        raise argparse.ArgumentTypeError(message) from None
-    return bits
+        bits = parse_bits(text)
+        check(bits, names=FLAGS)
+    except ValueError as err:
+        # argparse names the flag itself: "argument --kv-bits: 3 is not supported; ..."
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--kv-bits ")) from None
+    return KV_BITS_NONE if bits is None else bits
 
 
 def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     """``make_cache``'s storage arguments from the flags (empty without ``--kv-bits`` or with ``none``)."""
-    if args.kv_bits in (None, KV_BITS_NONE):
-        flags = (("--kv-group-size", args.kv_group_size), ("--fp-window", args.fp_window))
-        for flag, value in (*flags, ("--window-bits", args.window_bits)):
-            if value is not None:
-                raise MlxEvictError(f"{flag} {value} needs --kv-bits 8 or 4 (without it nothing is quantized)")
-        return {}
-    if args.window_bits is not None and max(key_value_bits(args.kv_bits)) >= 8:
-        raise MlxEvictError(
-            f"--window-bits {args.window_bits} needs --kv-bits under 8, such as 4 or 5,3 (an 8-bit window "
-            "when the rest takes fewer bits)"
-        )
-    if args.fp_window is not None and args.fp_window < 0:
-        raise MlxEvictError(f"--fp-window {args.fp_window} must be a number of tokens >= 0")
-    storage = {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size or DEFAULT_GROUP_SIZE}
-    if args.fp_window is not None:
-        storage["full_precision_window"] = args.fp_window
-    if args.window_bits is not None:
-        storage["window_bits"] = args.window_bits
-    return storage
+    storage = storage_flags(args)
+    return {} if storage is None else storage.options()
 
 
 def cache_storage(args: argparse.Namespace, request: BudgetRequest, model: Any) -> dict[str, Any]:
-    """The storage of a command's cache: the flags', or :func:`memory_storage` for a budget in memory."""
-    storage = storage_options(args)
-    if args.kv_bits is None and request.tokens is None:
-        return memory_storage(request, model, getattr(model.args, "max_position_embeddings", None))
-    return storage
+    """The storage of a command's cache: the flags', or the planner's rule for a budget in memory."""
+    storage = storage_flags(args)
+    if storage is None and request.tokens is None:
+        storage = plan_cache(model, request).storage
+    return {} if storage is None else storage.options()
 
 
 def build_caches(model: Any, args: argparse.Namespace, request: BudgetRequest) -> list:
     """``make_cache`` from the command line's options, with CLI wording on errors."""
-    storage = cache_storage(args, request, model)
-    budget = resolve_budget(request, model, **storage)
+    plan = plan_budget(model, request, storage_flags(args))
     try:
-        return make_cache(model, args.policy, budget, sinks=args.sinks, window=args.window, **storage)
+        return make_cache(
+            model, args.policy, plan.tokens, sinks=args.sinks, window=args.window, **plan.storage.options()
+        )
     except ValueError as err:
-        given = "" if request.tokens is not None else f" (--budget {request.text} = {budget} tokens)"
+        given = "" if request.tokens is not None else f" (--budget {request.text} = {plan.tokens} tokens)"
         raise MlxEvictError(f"{err}{given}") from None
 
 
@@ -259,6 +244,4 @@ class TextPrinter:
 
 def budget_option(args: argparse.Namespace) -> BudgetRequest:
     """``--budget`` read (bad forms fail here, before a model loads); unset is the default budget."""
-    if args.budget is None:
-        return BudgetRequest(DEFAULT_BUDGET_TEXT, tokens=DEFAULT_BUDGET)
     return parse_budget(args.budget)

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from ..errors import MlxEvictError
 from ..events import Finished, TextChunk
 from ..generate import stream_events
-from ..telemetry import MemoryGuard
+from ..memory import MemoryGuard
 from .common import (
     TextPrinter,
     add_cache_options,
@@ -22,7 +22,7 @@ from .common import (
     load,
     report,
     stats_line,
-    storage_options,
+    storage_flags,
 )
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
@@ -100,7 +100,7 @@ def as_json(finished: Finished, model: str, budget: int) -> dict:
 def run_generate(args: argparse.Namespace) -> int:
     request = budget_option(args)
     check_sampling(args)
-    storage_options(args)  # bad storage options fail before a model loads
+    storage_flags(args)  # bad storage options fail before a model loads
     prompt = read_prompt(args)
     resolved, model, tokenizer = load(args)
     caches = build_caches(model, args, request)

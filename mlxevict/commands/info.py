@@ -9,22 +9,16 @@ from typing import Any, Optional
 
 import psutil
 
+from ..budget import AUTO_FRACTION, parse_budget
 from ..cache import DEFAULT_BUDGET
+from ..errors import MlxEvictError
+from ..family import DEEPSEEK_R1_DISTILL, FAMILY_NAME, family_plan, is_family_name
+from ..geometry import kv_shape, weights_nbytes
+from ..kvstorage import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS, SPLIT_BITS, KVStorage
+from ..memory import DEFAULT_MARGIN, format_bytes
 from ..openblas import openblas_library, openblas_loaded
-from ..quantized import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS, SPLIT_BITS, bits_label
-from ..resolve import DEEPSEEK_R1_DISTILL, check_architecture, hub_weights_nbytes, resolve_model
-from ..telemetry import (
-    AUTO_FRACTION,
-    DEFAULT_MARGIN,
-    budget_tokens,
-    folder_dtype_size,
-    format_bytes,
-    kv_shape,
-    memory_storage,
-    parse_budget,
-    storage_nbytes,
-    weights_nbytes,
-)
+from ..plan import plan_cache
+from ..resolve import check_architecture, hub_weights_nbytes, resolve_model
 from .common import add_model_argument
 
 PLAN_TOKENS = (8 * 1024, 32 * 1024, 128 * 1024)
@@ -82,11 +76,13 @@ def storage_modes(shape, kv_memory: int) -> list[dict[str, Any]]:
     for bits in (None, *KV_BITS, SPLIT_BITS):
         if bits is not None and group is None:
             continue  # no group size divides the head dim: the render says so
-        per_token = shape.storage_bytes_per_token(bits, group or DEFAULT_GROUP_SIZE)
+        storage = KVStorage.of(bits, group if bits else None)
+        per_token = shape.storage_bytes(storage)
         modes.append(
             {
-                "kv_bits": bits,
+                "kv_bits": storage.kv_bits,
                 "kv_group_size": group if bits else None,
+                "flags": storage.flags,
                 "bytes_per_token": per_token,
                 "fits_tokens": kv_memory // per_token,
             }
@@ -95,30 +91,39 @@ def storage_modes(shape, kv_memory: int) -> list[dict[str, Any]]:
 
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
-    # The family choice's reason is part of the plan, so resolution reports nothing itself.
-    resolved = resolve_model(args.model, weights=False, progress=sys.stderr.isatty())
+    memory = psutil.virtual_memory()
+    family = args.model is not None and is_family_name(args.model)
+    try:
+        # The family choice's reason is part of the plan, so resolution reports nothing itself.
+        resolved = resolve_model(args.model, weights=False, progress=sys.stderr.isatty(), budget=args.budget)
+    except MlxEvictError as err:
+        if not family:
+            raise
+        # Offline with nothing downloaded: the family's numbers are known without the hub.
+        return {
+            "model": FAMILY_NAME,
+            "downloaded": False,
+            "not_downloaded": str(err),
+            "system_total": memory.total,
+            "system_available": memory.available,
+            "family": family_plan(memory.total, memory.available, args.budget),
+        }
     config = check_architecture(resolved.path)
-    dtype_size = folder_dtype_size(resolved.path)
-    shape = kv_shape(config, dtype_size)
+    shape = kv_shape(resolved.path)
     per_token = shape.bytes_per_token
     weights, weights_note = _weights_size(resolved, weights_nbytes(resolved.path))
-    memory = psutil.virtual_memory()
     context = config.get("max_position_embeddings")
     # The weights still to be loaded come out of what is available now.
     free = max(0, memory.available - (weights or 0) - DEFAULT_MARGIN)
-    # A budget in memory (and auto) stores what generate and chat store without --kv-bits.
-    request = parse_budget(args.budget)
-    auto_request = parse_budget("auto")
-    auto_storage = memory_storage(auto_request, resolved.path, context, available=free)
-    auto = budget_tokens(auto_request, resolved.path, available=free, context_limit=context, **auto_storage)
-    storage = {} if request.tokens else memory_storage(request, resolved.path, context, available=free)
-    budget = budget_tokens(request, resolved.path, available=free, context_limit=context, **storage)
-    budget = min(budget, context) if context else budget
+    # The planner decides as generate and chat do (the storage of a budget in memory, the context cap).
+    auto = plan_cache(resolved.path, "auto", available=free)
+    budget = plan_cache(resolved.path, args.budget, available=free)
     compare_at = min(context or PLAN_TOKENS[1], PLAN_TOKENS[1])
     full = per_token * compare_at
-    held = storage_nbytes(resolved.path, min(budget, compare_at), **storage)
-    return {
+    held = plan_cache(resolved.path, min(budget.tokens, compare_at), budget.storage).nbytes(resolved.path)
+    result = {
         "model": resolved.name,
+        "downloaded": weights_note == "on disk",
         "path": str(resolved.path),
         "source": resolved.source,
         "reason": resolved.reason,
@@ -134,12 +139,12 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "full_kv_nbytes": {str(n): per_token * n for n in PLAN_TOKENS},
         "system_total": memory.total,
         "system_available": memory.available,
-        "auto_budget": auto,
-        "auto_kv_bits": auto_storage.get("kv_bits"),
-        "auto_budget_nbytes": storage_nbytes(resolved.path, auto, **auto_storage),
-        "budget": budget,
-        "budget_kv_bits": storage.get("kv_bits"),
-        "budget_kv_nbytes": storage_nbytes(resolved.path, budget, **storage),
+        "auto_budget": auto.tokens,
+        "auto_kv_bits": auto.storage.kv_bits,
+        "auto_budget_nbytes": auto.nbytes(resolved.path),
+        "budget": budget.tokens,
+        "budget_kv_bits": budget.storage.kv_bits,
+        "budget_kv_nbytes": budget.nbytes(resolved.path),
         "compare_at_tokens": compare_at,
         "saved_nbytes": full - held,
         "saved_fraction": (full - held) / full if full else 0.0,
@@ -147,6 +152,9 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "storage_modes": storage_modes(shape, int(free * AUTO_FRACTION)),
         "openblas": openblas_loaded() if openblas_library() else None,
     }
+    if family:
+        result["family"] = family_plan(memory.total, memory.available, args.budget)
+    return result
 
 
 def _k(n: int) -> str:
@@ -156,8 +164,8 @@ def _k(n: int) -> str:
 def render(p: dict[str, Any]) -> str:
     weights = format_bytes(p["weights_nbytes"]) if p["weights_nbytes"] else "?"
     context = p["context_limit"]
-    auto_bits = f", {bits_label(p['auto_kv_bits'])}" if p["auto_kv_bits"] else ""
-    budget_bits = f" ({bits_label(p['budget_kv_bits'])})" if p["budget_kv_bits"] else ""
+    auto_bits = f", {_label(p['auto_kv_bits'])}" if p["auto_kv_bits"] else ""
+    budget_bits = f" ({_label(p['budget_kv_bits'])})" if p["budget_kv_bits"] else ""
     compare = p["compare_at_tokens"]
     full = "   ".join(
         f"{_k(int(n))}: {format_bytes(b)}" + (" (beyond the context limit)" if context and int(n) > context else "")
@@ -180,9 +188,10 @@ def render(p: dict[str, Any]) -> str:
     ]
     auto_memory = format_bytes(p["auto_kv_nbytes"])
     lines.append(f"storage       bytes per token, and tokens the auto KV memory ({auto_memory}) holds:")
-    for m in p["storage_modes"]:
-        name = f"--kv-bits {_bits_flag(m['kv_bits'])}" if m["kv_bits"] else f"{8 * p['dtype_size']}-bit float"
-        lines.append(f"              {name:<13} {m['bytes_per_token']:>10,} B  {m['fits_tokens']:>12,} tokens")
+    names = [m["flags"] if m["kv_bits"] else f"{8 * p['dtype_size']}-bit float" for m in p["storage_modes"]]
+    width = max(map(len, names))
+    for name, m in zip(names, p["storage_modes"]):
+        lines.append(f"              {name:<{width}} {m['bytes_per_token']:>10,} B  {m['fits_tokens']:>12,} tokens")
     if len(p["storage_modes"]) == 1:
         lines.append(f"              --kv-bits needs a head dim divisible by {', '.join(map(str, GROUP_SIZES))}")
     else:
@@ -195,15 +204,49 @@ def render(p: dict[str, Any]) -> str:
     if p["openblas"] is not None:
         blas = "OpenBLAS preloaded" if p["openblas"] else "reference BLAS (slow): set LD_PRELOAD to OpenBLAS"
         lines.append(f"cpu blas      {blas}")
+    if "family" in p:
+        lines += render_family(p["family"])
     return "\n".join(lines)
+
+
+def render_not_downloaded(p: dict[str, Any]) -> str:
+    """The family's plan when no member is on this machine and the hub cannot be reached."""
+    lines = [
+        f"model         {p['model']}: not downloaded",
+        f"why           {p['not_downloaded']}",
+        f"memory        {format_bytes(p['system_total'])} total, {format_bytes(p['system_available'])} available now",
+    ]
+    return "\n".join(lines + render_family(p["family"]))
+
+
+def render_family(f: dict[str, Any]) -> list[str]:
+    labels = list(f["members"][0]["kv_bytes_per_token"])
+    head = "".join(f"{label:>12}" for label in labels)
+    lines = [
+        f"family        the {f['family']} distills (4-bit weights; KV bytes per token by storage):",
+        f"              {'':<6}{'weights':>10}{head}{'needs':>12}",
+    ]
+    for m in f["members"]:
+        kv = "".join(f"{m['kv_bytes_per_token'][label]:>12,}" for label in labels)
+        lines.append(
+            f"              {m['params']:<6}{format_bytes(m['weights_nbytes']):>10}{kv}{format_bytes(m['need_nbytes']):>12}"
+        )
+    picks = "   ".join(f"{memory}: {pick or 'none'}" for memory, pick in f["fits"].items())
+    lines += [
+        f"fits          {picks}   this machine (free memory now): {f['fits_this_machine'] or 'none'}",
+        f"              needs: weights + KV at --budget {f['budget']} + overhead; a pick leaves "
+        f"{format_bytes(f['headroom_nbytes'])} free, and a machine of a given size has "
+        f"{format_bytes(f['in_use_nbytes'])} in use by the system and a browser",
+    ]
+    return lines
 
 
 def run_info(args: argparse.Namespace) -> int:
     parse_budget(args.budget)  # a bad budget fails before any download
     p = plan(args)
-    print(json.dumps(p) if args.json else render(p))
+    print(json.dumps(p) if args.json else render(p) if "path" in p else render_not_downloaded(p))
     return 0
 
 
-def _bits_flag(bits: int | list[int] | tuple[int, int]) -> str:
-    return str(bits) if isinstance(bits, int) else ",".join(map(str, bits))
+def _label(bits: int | list[int]) -> str:
+    return KVStorage.of(bits if isinstance(bits, int) else tuple(bits)).label

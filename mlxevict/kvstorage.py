@@ -1,0 +1,314 @@
+"""How a cache stores its KV entries: one frozen value, validated once, in every spelling people use.
+
+:class:`KVStorage` is the storage of a cache: key and value bits (``None``: the
+model's dtype), the quantization group size, the recent window's bits and length,
+and the rotation. It is checked where it is made, and it spells itself as a label
+(``"5/3-bit"``), as command-line flags (``--kv-bits 5,3 --window-bits 8``) and as a
+benchmark suffix (``:k5v3w8``); :meth:`KVStorage.parse` and
+:meth:`KVStorage.from_suffix` read the last two back. Each rule has one message,
+rendered with the API's argument names (``window_bits=8``) or the CLI's flags
+(``--window-bits 8``), so the two never drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Optional, Union
+
+KV_BITS = (8, 4)  # one number for keys and values
+PAIR_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports, for a (key bits, value bits) pair
+KVBits = Union[int, tuple[int, int]]
+SPLIT_BITS = (5, 3)  # keys finer than values, at the bytes of 4 bits: the keys carry the error
+GROUP_SIZES = (32, 64, 128)  # what mx.quantize supports
+DEFAULT_GROUP_SIZE = 64  # mlx-lm's --kv-group-size default
+WINDOW_BITS = (8,)
+NONE = "none"  # --kv-bits none: the model's dtype
+
+# The two spellings of the storage's parameters: make_cache's arguments and the CLI's flags.
+API = {
+    "kv_bits": "kv_bits={!r}", "group": "kv_group_size={!r}", "fp": "full_precision_window={!r}",
+    "window_bits": "window_bits={!r}", "bits_flag": "kv_bits", "pair": "(5, 3)", "none": "None",
+    "group_fix": "kv_group_size={}",
+}  # fmt: skip
+FLAGS = {
+    "kv_bits": "--kv-bits {}", "group": "--kv-group-size {}", "fp": "--fp-window {}",
+    "window_bits": "--window-bits {}", "bits_flag": "--kv-bits", "pair": "5,3", "none": "none",
+    "group_fix": "--kv-group-size {}",
+}  # fmt: skip
+
+
+def key_value_bits(kv_bits: KVBits) -> tuple[int, int]:
+    """``(key bits, value bits)`` of ``kv_bits`` (one number means both)."""
+    return (kv_bits, kv_bits) if isinstance(kv_bits, int) else (int(kv_bits[0]), int(kv_bits[1]))
+
+
+def bits_label(kv_bits: KVBits) -> str:
+    """``"4-bit"``, or ``"5/3-bit"`` for keys in 5 and values in 3."""
+    key_bits, value_bits = key_value_bits(kv_bits)
+    return f"{key_bits}-bit" if key_bits == value_bits else f"{key_bits}/{value_bits}-bit"
+
+
+def storage_bytes(dim: int, dtype_size: int, bits: Optional[int] = None, group_size: int = DEFAULT_GROUP_SIZE) -> int:
+    """Bytes one stored key (or value) vector of ``dim`` elements takes.
+
+    Model dtype: ``dim × dtype_size``; quantized: ``dim × bits / 8`` plus a scale
+    and a bias (model dtype) per group.
+    """
+    if bits is None:
+        return dim * dtype_size
+    return dim * bits // 8 + 2 * (dim // group_size) * dtype_size
+
+
+def _spell(names: Mapping[str, str], key: str, value: Any) -> str:
+    if key == "kv_bits" and names is FLAGS and isinstance(value, (tuple, list)):
+        value = ",".join(map(str, value))
+    return names[key].format(value)
+
+
+def _bits_ok(kv_bits: Any) -> bool:
+    if isinstance(kv_bits, (tuple, list)):
+        return len(kv_bits) == 2 and all(b in PAIR_BITS and not isinstance(b, bool) for b in kv_bits)
+    return kv_bits in KV_BITS and not isinstance(kv_bits, bool)
+
+
+def check(
+    kv_bits: Any = None,
+    group_size: Any = None,
+    full_precision_window: Any = None,
+    window_bits: Any = None,
+    *,
+    head_dims: tuple[int, ...] = (),
+    names: Mapping[str, str] = API,
+) -> None:
+    """Every storage rule, once: raise a ``ValueError`` naming the bad value and the fix.
+
+    ``None`` for ``group_size``/``full_precision_window``/``window_bits`` means not given.
+
+    Args:
+        kv_bits: ``None`` (the model's dtype), 8 or 4, or a ``(key bits, value bits)`` pair of
+            2, 3, 4, 5, 6 or 8.
+        group_size: 32, 64 or 128, dividing every head dim.
+        full_precision_window: tokens >= 0.
+        window_bits: 8, when keys and values both take fewer bits.
+        head_dims: the key and value head dims, when known.
+        names: :data:`API` (``make_cache``'s argument names) or :data:`FLAGS` (the CLI's).
+    """
+    if kv_bits is not None and not _bits_ok(kv_bits):
+        pairs = f"{', '.join(map(str, PAIR_BITS[:-1]))} or {PAIR_BITS[-1]}"
+        raise ValueError(
+            f"{_spell(names, 'kv_bits', kv_bits)} is not supported; use 8 or 4, key and value bits of {pairs} "
+            f"such as {names['pair']}, or {names['none']} for the model's dtype"
+        )
+    if window_bits is not None and (window_bits not in WINDOW_BITS or isinstance(window_bits, bool)):
+        raise ValueError(
+            f"{_spell(names, 'window_bits', window_bits)} is not supported; use 8 (or {names['none']} to keep the "
+            "recent window in the model's dtype)"
+        )
+    if window_bits is not None and (kv_bits is None or window_bits <= max(key_value_bits(kv_bits))):
+        given = "" if kv_bits is None else f" (not {_spell(names, 'kv_bits', kv_bits)})"
+        raise ValueError(
+            f"{_spell(names, 'window_bits', window_bits)} needs {names['bits_flag']} under 8{given}, such as 4 or "
+            f"{names['pair']}: the recent window is stored in 8 bits when the rest takes fewer, else in the "
+            "model's dtype"
+        )
+    for key, value in (("group", group_size), ("fp", full_precision_window)):
+        if kv_bits is None and value is not None:
+            raise ValueError(
+                f"{_spell(names, key, value)} needs {names['bits_flag']} 8, 4 or {names['pair']} "
+                "(without it nothing is quantized)"
+            )
+    if full_precision_window is not None and (
+        not isinstance(full_precision_window, int) or full_precision_window < 0
+    ):
+        raise ValueError(f"{_spell(names, 'fp', full_precision_window)} must be a number of tokens >= 0")
+    if group_size is not None and (group_size not in GROUP_SIZES or isinstance(group_size, bool)):
+        raise ValueError(
+            f"{_spell(names, 'group', group_size)} is not supported by mx.quantize; use 32, 64 or 128"
+        )
+    for dim in head_dims if kv_bits is not None else ():
+        group = group_size or DEFAULT_GROUP_SIZE
+        if dim % group:
+            fits = [str(g) for g in GROUP_SIZES if dim % g == 0]
+            fix = f"use {FLAGS['group_fix'].format(' or '.join(fits))}" if fits else "store this model's KV unquantized"
+            raise ValueError(f"{_spell(names, 'group', group)} does not divide the head dim {dim}; {fix}")
+
+
+@dataclass(frozen=True)
+class KVStorage:
+    """The storage of an evicting cache (frozen; validated when made).
+
+    Attributes:
+        key_bits, value_bits: bits per stored key and value element; ``None``: the model's dtype.
+        group_size: values per quantization scale and bias (32, 64 or 128). Default 64.
+        window_bits: ``None`` keeps the recent window in the model's dtype; 8 stores it in
+            8 bits (only when keys and values take fewer).
+        full_precision_window: the newest tokens kept unquantized (or in ``window_bits``);
+            ``None``: ``min(32, budget // 8)``.
+        rotate: rotate keys and values before quantizing; ``None``: when under 8 bits.
+
+    Raises:
+        ValueError: a combination that cannot work (see :func:`check`).
+    """
+
+    key_bits: Optional[int] = None
+    value_bits: Optional[int] = None
+    group_size: int = DEFAULT_GROUP_SIZE
+    window_bits: Optional[int] = None
+    full_precision_window: Optional[int] = None
+    rotate: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if (self.key_bits is None) != (self.value_bits is None):
+            raise ValueError(f"key_bits={self.key_bits} and value_bits={self.value_bits}: give both, or neither")
+        bits = self.kv_bits
+        check(bits, self.group_size if bits else None, self.full_precision_window, self.window_bits)
+        if bits is None:
+            object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE)  # unused: one value for "the dtype"
+
+    # ---- making one --------------------------------------------------------------------------------
+    @classmethod
+    def of(
+        cls,
+        kv_bits: Optional[KVBits] = None,
+        group_size: Optional[int] = None,
+        full_precision_window: Optional[int] = None,
+        window_bits: Optional[int] = None,
+        rotate: Optional[bool] = None,
+        *,
+        names: Mapping[str, str] = API,
+    ) -> "KVStorage":
+        """From ``make_cache``'s storage arguments (``names=FLAGS``: the CLI's values, errors name flags)."""
+        check(kv_bits, group_size, full_precision_window, window_bits, names=names)
+        key_bits, value_bits = (None, None) if kv_bits is None else key_value_bits(kv_bits)
+        return cls(key_bits, value_bits, group_size or DEFAULT_GROUP_SIZE, window_bits, full_precision_window, rotate)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "KVStorage":
+        """From ``make_cache``'s storage keywords: ``kv_bits``, ``kv_group_size``, ``full_precision_window``,
+        ``window_bits``, ``kv_rotate`` (a group size without ``kv_bits`` is ignored, as ``make_cache`` does)."""
+        bits = options.get("kv_bits")
+        return cls.of(
+            bits,
+            options.get("kv_group_size") if bits is not None else None,
+            options.get("full_precision_window"),
+            options.get("window_bits"),
+            options.get("kv_rotate"),
+        )
+
+    @classmethod
+    def parse(
+        cls,
+        text: str,
+        group_size: Optional[int] = None,
+        full_precision_window: Optional[int] = None,
+        window_bits: Optional[int] = None,
+    ) -> "KVStorage":
+        """From the flags: ``--kv-bits`` text (``8``, ``4``, ``5,3`` or ``none``) and the others' values."""
+        return cls.of(parse_bits(text), group_size, full_precision_window, window_bits, names=FLAGS)
+
+    @classmethod
+    def from_suffix(cls, suffix: str) -> "KVStorage":
+        """From a benchmark suffix: ``""``, ``":q8"``, ``":q4w8"``, ``":k5v3w8"`` (group size 64)."""
+        text = suffix.removeprefix(":")
+        window = 8 if text.endswith("w8") else None
+        text = text.removesuffix("w8") if window else text
+        try:
+            if not text:
+                bits: Optional[KVBits] = None
+            elif text.startswith("q"):
+                bits = int(text[1:])
+            else:
+                key, value = text.removeprefix("k").split("v")
+                bits = (int(key), int(value))
+            return cls.of(bits, window_bits=window)
+        except ValueError:
+            raise ValueError(f"{suffix!r} is not a storage suffix; use :q8, :q4, :q4w8 or :k5v3w8") from None
+
+    # ---- reading it --------------------------------------------------------------------------------
+    @property
+    def quantized(self) -> bool:
+        return self.key_bits is not None
+
+    @property
+    def kv_bits(self) -> Optional[KVBits]:
+        """``make_cache``'s ``kv_bits``: ``None``, one number, or a ``(key, value)`` pair."""
+        if self.key_bits is None:
+            return None
+        return self.key_bits if self.key_bits == self.value_bits else (self.key_bits, self.value_bits)
+
+    @property
+    def label(self) -> str:
+        """``"5/3-bit"``, ``"8-bit"``, or ``"model dtype"``."""
+        return bits_label(self.kv_bits) if self.quantized else "model dtype"
+
+    @property
+    def flags(self) -> str:
+        """The command-line form: ``--kv-bits 5,3 --window-bits 8`` (``--kv-bits none`` for the dtype)."""
+        if not self.quantized:
+            return f"--kv-bits {NONE}"
+        parts = [_spell(FLAGS, "kv_bits", self.kv_bits)]
+        if self.group_size != DEFAULT_GROUP_SIZE:
+            parts.append(_spell(FLAGS, "group", self.group_size))
+        if self.full_precision_window is not None:
+            parts.append(_spell(FLAGS, "fp", self.full_precision_window))
+        if self.window_bits is not None:
+            parts.append(_spell(FLAGS, "window_bits", self.window_bits))
+        return " ".join(parts)
+
+    @property
+    def suffix(self) -> str:
+        """The benchmark-name form: ``":k5v3w8"``, ``":q4"`` (``""`` for the dtype)."""
+        if not self.quantized:
+            return ""
+        bits = f"q{self.key_bits}" if self.key_bits == self.value_bits else f"k{self.key_bits}v{self.value_bits}"
+        return f":{bits}{'w8' if self.window_bits else ''}"
+
+    def options(self) -> dict[str, Any]:
+        """``make_cache``'s (and ``QuantizedEvictingKVCache``'s) storage arguments; ``{}`` for the dtype."""
+        if not self.quantized:
+            return {}
+        return dict(
+            kv_bits=self.kv_bits,
+            kv_group_size=self.group_size,
+            full_precision_window=self.full_precision_window,
+            kv_rotate=self.rotate,
+            window_bits=self.window_bits,
+        )
+
+    def with_window(self, full_precision_window: Optional[int]) -> "KVStorage":
+        return replace(self, full_precision_window=full_precision_window)
+
+    def check_head_dim(self, head_dim: int, names: Mapping[str, str] = API) -> None:
+        """Raise when the group size does not divide ``head_dim`` (quantized storage only)."""
+        check(self.kv_bits, self.group_size if self.quantized else None, head_dims=(head_dim,), names=names)
+
+    # ---- bytes -------------------------------------------------------------------------------------
+    def bytes_per_token(self, head_dim: int, dtype_size: int) -> int:
+        """Bytes of one token's key and value vectors for one kv-head of one layer."""
+        return sum(storage_bytes(head_dim, dtype_size, b, self.group_size) for b in (self.key_bits, self.value_bits))
+
+    def window_bytes_per_token(self, head_dim: int, dtype_size: int) -> Optional[int]:
+        """Bytes of a recent-window token (per layer and kv-head); ``None`` unquantized (no window apart)."""
+        if not self.quantized:
+            return None
+        return 2 * storage_bytes(head_dim, dtype_size, self.window_bits, self.group_size)
+
+
+def parse_bits(text: str) -> Optional[KVBits]:
+    """``--kv-bits`` text: ``"8"`` → 8, ``"5,3"`` → ``(5, 3)``, ``"none"`` → ``None``.
+
+    Raises:
+        ValueError: not numbers (the message names ``--kv-bits``); unsupported bits fail in :func:`check`.
+    """
+    if text.strip().lower() == NONE:
+        return None
+    try:
+        parts = [int(part) for part in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (1, 2):
+        check(text, names=FLAGS)  # raises: not bits
+    return parts[0] if len(parts) == 1 else (parts[0], parts[1])
+
+
+DTYPE = KVStorage()  # the model's dtype, as mlx-lm's KVCache stores it

@@ -1,0 +1,144 @@
+"""The one planner: a budget (tokens, ``"1.5GB"``, ``"auto"``) and a storage become a cache's tokens and storage.
+
+Every caller that sizes a cache (``make_cache``, each CLI command, the chat
+REPL's ``/budget``, the TUI's settings, ``info``) calls :func:`plan_cache`, so a
+budget means the same everywhere: the storage rule for a budget in memory, the cap
+at the model's context, the check that the budget leaves room to evict, and the
+messages that say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from .budget import BudgetRequest, budget_tokens, parse_budget, storage_nbytes
+from .cache import default_slack, default_window
+from .errors import MlxEvictError
+from .geometry import context_limit, kv_shape
+from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, SPLIT_BITS, KVStorage
+from .policies import make_policy
+
+SPLIT_STORAGE = KVStorage.of(SPLIT_BITS, window_bits=8)  # the most quality per byte measured (docs/architecture.md)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """What a cache will be: its budget in tokens per layer and its storage.
+
+    Attributes:
+        tokens: the budget, entries per layer (at most ``context_limit``).
+        storage: how the entries are stored.
+        context_limit: the model's context length (``None``: unknown).
+        request: the budget as it was asked for.
+        notes: what the user should be told (a budget capped at the context), one line each.
+    """
+
+    tokens: int
+    storage: KVStorage
+    context_limit: Optional[int]
+    request: BudgetRequest
+    notes: tuple[str, ...] = ()
+
+    def nbytes(self, model_or_config: Any) -> int:
+        """KV bytes of the full cache, all layers (its window at its own size)."""
+        return storage_nbytes(model_or_config, self.tokens, self.storage)
+
+
+def memory_storage(
+    request: BudgetRequest, model_or_config: Any, limit: Optional[int] = None, available: Optional[int] = None
+) -> KVStorage:
+    """What a budget in memory (or ``auto``) stores when no storage is asked for.
+
+    The finest storage that holds the model's whole context (its dtype, then 8 bits:
+    nothing is ever evicted, so nothing is gained by fewer bits); else keys in 5 bits,
+    values in 3 and the newest tokens in 8, which at a quarter of a 16-bit cache's
+    bytes kept every retrieval answer where the 16-bit default and mlx-lm's caches kept
+    none (``docs/results/kv_bits``). The dtype when no group size divides the head dim.
+
+    Args:
+        request: a budget in memory or ``auto``.
+        model_or_config: the model, or its folder (see :func:`~mlxevict.geometry.kv_shape`).
+        limit: the model's context length (``None``: unknown, so 5/3 bits).
+        available: free bytes for ``auto`` (default: what the system has now).
+    """
+    head_dim = kv_shape(model_or_config).head_dim
+    group = next((g for g in (DEFAULT_GROUP_SIZE, 32) if head_dim % g == 0), None)
+    if group is None:
+        return DTYPE
+    for storage in (DTYPE, KVStorage.of(8, group)):
+        if limit and budget_tokens(request, model_or_config, storage, available=available) >= limit:
+            return storage
+    return KVStorage.of(SPLIT_BITS, group, window_bits=8)
+
+
+def protected_room(
+    budget: int,
+    policy: str = "default",
+    *,
+    sinks: int,
+    window: Optional[int] = None,
+    slack: Optional[int] = None,
+    pinned: Sequence[tuple[int, int]] = (),
+    storage: KVStorage = DTYPE,
+) -> int:
+    """Entries a budget must exceed to evict anything: sinks + window + pinned + slack.
+
+    ``window``/``slack`` of ``None`` take the cache's budget-scaled defaults (the policy's
+    recent window); a quantized cache's full-precision window is never evicted either.
+    """
+    window = default_window(budget, make_policy(policy)) if window is None else window
+    if storage.quantized:
+        window = max(window, default_window(budget) if storage.full_precision_window is None else storage.full_precision_window)
+    slack = default_slack(budget) if slack is None else slack
+    return sinks + window + sum(end - start for start, end in pinned) + slack
+
+
+def plan_cache(
+    model_or_config: Any,
+    budget: "int | str | BudgetRequest | None" = None,
+    storage: Optional[KVStorage] = None,
+    *,
+    available: Optional[int] = None,
+) -> CachePlan:
+    """Tokens and storage for a budget on a model: the one place this is decided.
+
+    Args:
+        model_or_config: a loaded model, its ``ModelArgs``, a config dict or a model folder.
+        budget: tokens (``2048`` or ``"2048"``), KV memory for all layers (``"1.5GB"``), ``"auto"``
+            (a quarter of the free memory), a :class:`~mlxevict.budget.BudgetRequest`, or ``None``
+            (the default budget, 2048 tokens).
+        storage: how to store the entries; ``None``: the model's dtype for a budget in tokens,
+            :func:`memory_storage` for one in memory.
+        available: free bytes for ``auto``; default what the system has available now.
+
+    Returns:
+        A :class:`CachePlan`; a budget beyond the model's context is capped there, with a note
+        (none for the default budget).
+
+    Raises:
+        MlxEvictError: a budget that is not one, or memory that holds no token.
+        ValueError: a storage the model cannot use (its group size does not divide the head dim).
+    """
+    request = parse_budget(budget)
+    limit = context_limit(model_or_config)
+    if storage is None:
+        storage = DTYPE if request.tokens is not None else memory_storage(request, model_or_config, limit, available)
+    shape = kv_shape(model_or_config)
+    storage.check_head_dim(shape.head_dim)
+    tokens = budget_tokens(request, model_or_config, storage, available=available, context_limit=limit)
+    if tokens < 1:
+        raise MlxEvictError(
+            f"--budget {request.text} holds no token of this model's KV ({shape.storage_bytes(storage)} bytes per "
+            "token); give more memory or a number of tokens"
+        )
+    notes: list[str] = []
+    if limit and tokens > limit:
+        # The cache can never hold more than the context; a larger budget would only reserve memory.
+        if not request.default:
+            notes.append(
+                f"--budget {request.text} is {tokens} tokens, more than the model's context of {limit}; using {limit}"
+            )
+        tokens = limit
+    return CachePlan(tokens, storage, limit, request, tuple(notes))
+
