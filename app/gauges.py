@@ -13,17 +13,9 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from mlxevict.memory import format_bytes  # noqa: F401 (one byte format, GiB/MiB, in the CLI and the TUI)
+
 GiB = 1024**3
-
-
-def format_bytes(n: float) -> str:
-    """Bytes in binary units labelled as people say them (16 GiB reads "16 GB", as on a Mac)."""
-    n = float(n)
-    for unit, size in (("GB", GiB), ("MB", 1024**2), ("KB", 1024)):
-        if abs(n) >= size:
-            value = n / size
-            return f"{value:.1f} {unit}" if value < 100 else f"{value:.0f} {unit}"
-    return f"{n:.0f} B"
 
 
 def format_count(n: int) -> str:

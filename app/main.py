@@ -13,7 +13,7 @@ import threading
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Protocol, Union
+from typing import Callable, Optional, Union
 
 from textual import on, work
 from textual.app import App, ComposeResult
@@ -23,41 +23,20 @@ from textual.widgets import Footer, Header, Input, Static
 from textual.worker import Worker, WorkerFailed, get_current_worker
 
 from mlxevict.events import Finished, Progress, TextChunk
+from mlxevict.kvstorage import KVStorage
 from mlxevict.telemetry import memory_snapshot
 
 from .commands import ChatCommands
 from .conversation import Conversation, ModelTurn, describe_error, welcome_text
 from .messages import TurnEnded, Update
 from .panel import MemorySource, StatsPanel
-from .settings import SettingsScreen
+from .session import ChatSessionLike
+from .settings import KEEP_STORAGE, Choice, SettingsScreen, configure, storage_label
 from .stream import UPDATE_INTERVAL, Batcher
 from .transcript import TurnRecord, render_transcript, save_transcript
 
 Event = Union[TextChunk, Progress, Finished]
 STOP_WAIT_S = 10.0  # how long quitting waits for a stopped turn to wind down
-
-
-class ChatSessionLike(Protocol):
-    """What the app needs from a chat session (``mlxevict.generate.ChatSession``).
-
-    ``send`` yields the events of one turn, ending with ``Finished``; ``stop``
-    (called from the UI thread) makes the running turn end soon with
-    ``Finished(reason="interrupted")`` (a session without it has its generator
-    closed instead); ``reset`` forgets the turns and frees the cache;
-    ``set_policy`` takes effect from the next turn and raises ``ValueError``
-    for settings that cannot work.
-    """
-
-    policy: str
-    budget: int
-
-    def send(self, text: str) -> Iterator[Event]: ...
-
-    def stop(self) -> None: ...
-
-    def reset(self) -> None: ...
-
-    def set_policy(self, policy: str, budget: int) -> None: ...
 
 
 class ChatApp(App[int]):
@@ -105,7 +84,10 @@ class ChatApp(App[int]):
         self.update_interval = update_interval
         self.save_dir = save_dir
         self.settings: tuple[str, int] = (getattr(session, "policy", "default"), getattr(session, "budget", 0))
-        self.pending_settings: tuple[str, int] | None = None
+        # The settings as asked for (a budget in memory, a storage), which the dialog and palette start from.
+        self.choice = Choice(self.settings[0], str(self.settings[1]), getattr(session, "storage_request", None))
+        self.storage_label = storage_label(session)
+        self.pending_settings: Choice | None = None
         self.turns: list[TurnRecord] = []
         self.turn: ModelTurn | None = None
         self.worker: Worker | None = None
@@ -125,7 +107,7 @@ class ChatApp(App[int]):
 
     def on_mount(self) -> None:
         self.sub_title = self.model_name
-        self.panel.show_settings(*self.settings)
+        self.show_settings()
         self.set_interval(1.0, self.refresh_summary)
         self.query_one("#prompt", Input).focus()
 
@@ -143,8 +125,19 @@ class ChatApp(App[int]):
 
     @property
     def next_settings(self) -> tuple[str, int]:
-        """The policy and budget the next turn will use."""
-        return self.pending_settings or self.settings
+        """The policy and budget (tokens) the next turn will use."""
+        pending = self.pending_settings
+        return (pending.policy, pending.budget) if pending else self.settings
+
+    @property
+    def next_choice(self) -> Choice:
+        """The settings, as asked for, that the next turn will use."""
+        return self.pending_settings or self.choice
+
+    def show_settings(self) -> None:
+        """The panel's settings line, at once after any change."""
+        asked = self.choice.budget if self.choice.budget != str(self.settings[1]) else ""
+        self.panel.show_settings(*self.settings, self.pending_settings, asked=asked, storage=self.storage_label)
 
     def refresh_summary(self) -> None:
         self.query_one("#summary", Static).update(self.panel.summary())
@@ -252,7 +245,7 @@ class ChatApp(App[int]):
             await self.conversation.add_notice(record.error)
         if self.pending_settings is not None:
             pending, self.pending_settings = self.pending_settings, None
-            await self.apply_settings(*pending)
+            await self.apply_settings(pending)
         self.refresh_summary()
         self.query_one("#prompt", Input).placeholder = "Ask something, then Enter"
 
@@ -272,24 +265,35 @@ class ChatApp(App[int]):
 
     # -- settings ----------------------------------------------------------------
 
-    async def choose_settings(self, policy: str, budget: int) -> None:
-        """Use ``policy`` and ``budget`` from the next turn (now, if no turn runs)."""
-        if self.generating:
-            self.pending_settings = (policy, budget)
-            self.panel.show_settings(*self.settings, pending=self.pending_settings)
-            self.notify(f"From the next turn: {policy}, budget {budget:,}")
-            return
-        await self.apply_settings(policy, budget)
+    async def choose_settings(
+        self, policy: str, budget: "int | str", storage: "KVStorage | None | str" = KEEP_STORAGE
+    ) -> None:
+        """Use ``policy``, ``budget`` (tokens, ``1.5GB``, ``auto``) and ``storage`` from the next turn (now, if no
+        turn runs); ``storage`` by default stays what was asked for, ``None`` is the planner's rule."""
+        storage = self.next_choice.storage if storage == KEEP_STORAGE else storage
+        await self.choose(Choice(policy, str(budget), storage))
 
-    async def apply_settings(self, policy: str, budget: int) -> None:
+    async def choose(self, choice: Choice) -> None:
+        """Use ``choice`` from the next turn (now, if no turn runs)."""
+        if self.generating:
+            self.pending_settings = choice
+            self.show_settings()
+            self.notify(f"From the next turn: {choice.policy}, budget {choice.budget}")
+            return
+        await self.apply_settings(choice)
+
+    async def apply_settings(self, choice: Choice) -> None:
         try:
-            self.session.set_policy(policy, budget)
+            applied = configure(self.session, choice)
         except ValueError as err:
-            self.notify(str(err), title="Policy not changed", severity="error")
+            self.notify(str(err), title="Settings not changed", severity="error")
         else:
-            self.settings = (policy, budget)
-            self.notify(f"Policy {policy}, budget {budget:,}")
-        self.panel.show_settings(*self.settings)
+            self.settings, self.choice, self.storage_label = (choice.policy, applied.tokens), choice, applied.storage
+            stored = f", KV in {applied.storage}" if applied.storage else ""
+            self.notify(f"Policy {choice.policy}, budget {applied.tokens:,} tokens{stored}")
+            for note in applied.notes:
+                self.notify(note, severity="warning")
+        self.show_settings()
 
     # -- actions -----------------------------------------------------------------
 
@@ -303,11 +307,12 @@ class ChatApp(App[int]):
             self.action_help_quit()
 
     def action_settings(self) -> None:
-        def chosen(result: tuple[str, int] | None) -> None:
+        def chosen(result: Choice | None) -> None:
             if result is not None:
-                self.run_worker(self.choose_settings(*result), group="settings")
+                self.run_worker(self.choose(result), group="settings")
 
-        self.push_screen(SettingsScreen(*self.next_settings), chosen)
+        choice = self.next_choice
+        self.push_screen(SettingsScreen(choice.policy, choice.budget, choice.storage), chosen)
 
     async def action_clear(self) -> None:
         """Forget the conversation and free the KV cache."""

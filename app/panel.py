@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from statistics import fmean
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
@@ -16,7 +16,7 @@ from textual.widgets import Sparkline, Static
 
 from mlxevict.events import Progress
 from mlxevict.policies import DEFAULT_POLICY
-from mlxevict.quantized import bits_label
+from mlxevict.kvstorage import bits_label
 from mlxevict.stats import CacheStats
 from mlxevict.telemetry import MemorySnapshot
 
@@ -94,12 +94,20 @@ class StatsPanel(VerticalScroll):
 
     # -- updates -----------------------------------------------------------------
 
-    def show_settings(self, policy: str, budget: int, pending: tuple[str, int] | None = None) -> None:
-        """The policy and budget in use, and a change waiting for the next turn."""
+    def show_settings(
+        self, policy: str, budget: int, pending: Any = None, *, asked: str = "", storage: str = ""
+    ) -> None:
+        """The policy and budget in use (``asked``: the budget as written, such as ``1.5GB``; ``storage``:
+        ``"5/3-bit"``), and a change waiting for the next turn (a ``Choice`` or ``(policy, budget)``)."""
         shown = f"default ({DEFAULT_POLICY})" if policy == "default" else policy
-        text = f"[b]{shown}[/b] · budget {format_count(budget)}"
-        if pending is not None and pending != (policy, budget):
-            text += f"\n[i]next turn:[/i] [b]{pending[0]}[/b] · {format_count(pending[1])}"
+        text = f"[b]{shown}[/b] · budget {format_count(budget)}" + (f" ({asked})" if asked else "")
+        text += f" · {storage}" if storage else ""
+        if pending is not None:
+            next_policy, next_budget = (pending.policy, pending.budget) if hasattr(pending, "policy") else pending
+            next_storage = getattr(pending, "storage", None)
+            stored = f" · {next_storage.label}" if next_storage is not None and next_storage.quantized else ""
+            if (next_policy, str(next_budget), stored) != (policy, str(budget), f" · {storage}" if storage else ""):
+                text += f"\n[i]next turn:[/i] [b]{next_policy}[/b] · {next_budget}{stored}"
         self.query_one("#kv-policy", Static).update(text)
 
     def show_progress(self, progress: Progress) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mlxevict.events import Finished
-from mlxevict.quantized import bits_label
+from mlxevict.kvstorage import bits_label
 from mlxevict.stats import CacheStats
 
 from .gauges import format_bytes, format_count

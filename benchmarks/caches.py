@@ -27,6 +27,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 import mlxevict
 from mlxevict.cache import DEFAULT_BUDGET, DEFAULT_SINKS
+from mlxevict.geometry import kv_shape, model_head_dim
 from mlxevict.kvstorage import KVStorage
 from mlxevict.plan import protected_room
 
@@ -128,7 +129,7 @@ def make_caches(model: nn.Module, name: str, budget: int | None, settings: Cache
     if name == "rotating":
         return [RotatingKVCache(max_size=budget, keep=settings.sinks) for _ in range(layers)]
     if name in QUANTIZED_BASELINES:
-        head_dim = getattr(model.args, "head_dim", None) or model.args.hidden_size // model.args.num_attention_heads
+        head_dim = model_head_dim(model)
         if head_dim % QUANT_GROUP:
             raise ValueError(
                 f"{name}: head_dim {head_dim} is not a multiple of mlx-lm's group size {QUANT_GROUP}; "
@@ -228,7 +229,4 @@ def _known(name: str) -> bool:
 
 def layer_kv_bytes_per_token(model: nn.Module, dtype_size: int) -> int:
     """Bytes one token costs a full cache, all layers (keys + values of every kv-head)."""
-    args = model.args
-    heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
-    return len(model.layers) * 2 * heads * head_dim * dtype_size
+    return kv_shape(model, dtype_size).bytes_per_token

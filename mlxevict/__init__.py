@@ -17,6 +17,8 @@ from .patch import SUPPORTED_ARCHITECTURES, patch, patched, unpatch
 from .policies import DEFAULT_POLICY, Policy, policy_names
 from .quantized import QuantizedEvictingKVCache
 from .stats import CacheStats, cache_stats
+from .kvstorage import KVStorage
+from .plan import CachePlan, plan_cache
 
 __version__ = "0.1.0"
 
@@ -39,4 +41,7 @@ __all__ = [
     "DEFAULT_BUDGET",
     "DEFAULT_POLICY",
     "SUPPORTED_ARCHITECTURES",
+    "KVStorage",
+    "CachePlan",
+    "plan_cache",
 ]

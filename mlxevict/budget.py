@@ -137,11 +137,19 @@ def tokens_within(
     return tokens
 
 
-def storage_nbytes(model_or_config: Any, tokens: int, storage: KVStorage = DTYPE, **options: Any) -> int:
-    """KV bytes of a cache of ``tokens`` entries in ``storage`` (or ``make_cache``'s storage arguments)."""
-    storage = KVStorage.from_options(**options) if options else storage
+def storage_nbytes(model_or_config: Any, tokens: int, storage: KVStorage = DTYPE) -> int:
+    """KV bytes of a cache of ``tokens`` entries in ``storage``, its window at its own size."""
+    return held_nbytes(tokens, **_costs(model_or_config, storage))
+
+
+def _costs(model_or_config: Any, storage: KVStorage) -> dict[str, Any]:
+    """Bytes per token, a quantized window's bytes per token and its length, for ``held_nbytes`` and kin."""
     shape = kv_shape(model_or_config)
-    return held_nbytes(tokens, shape.storage_bytes(storage), shape.window_bytes(storage), storage.full_precision_window)
+    return dict(
+        bytes_per_token=shape.storage_bytes(storage),
+        window_bytes_per_token=shape.window_bytes(storage),
+        full_precision_window=storage.full_precision_window,
+    )
 
 
 def fit_budget(
@@ -179,7 +187,6 @@ def budget_tokens(
     *,
     available: Optional[int] = None,
     context_limit: Optional[int] = None,
-    **options: Any,
 ) -> int:
     """Tokens per layer for a :class:`BudgetRequest`, a model and a storage (not capped at the context).
 
@@ -187,18 +194,15 @@ def budget_tokens(
         request: from :func:`parse_budget`.
         model_or_config: the model (see :func:`~mlxevict.geometry.kv_shape`), for bytes per token.
         storage: the cache's storage; memory forms buy more tokens quantized, its window counted
-            at its own size. ``make_cache``'s storage keywords (``kv_bits=...``) are read too.
+            at its own size.
         available: free bytes for ``auto``; default what the system has available now.
         context_limit: caps ``auto`` at the model's context length.
     """
     if request.tokens is not None:
         return request.tokens
-    storage = KVStorage.from_options(**options) if options else storage
-    shape = kv_shape(model_or_config)
-    per_token = shape.storage_bytes(storage)
-    window = dict(window_bytes_per_token=shape.window_bytes(storage), full_precision_window=storage.full_precision_window)
+    costs = _costs(model_or_config, storage)
     if request.nbytes is not None:
-        return tokens_within(request.nbytes, per_token, **window)
+        return tokens_within(request.nbytes, **costs)
     if available is None:
         available = psutil.virtual_memory().available
-    return fit_budget(per_token, available, context_limit=context_limit, **window)
+    return fit_budget(available=available, context_limit=context_limit, **costs)

@@ -20,6 +20,7 @@ from .plan import CachePlan, plan_cache
 from .prompts import as_wrapper, encode_text, render
 from .stats import CacheStats, cache_stats
 
+FROM_OPTIONS = "from options"  # storage_request: what cache_options store
 STORAGE_KEYS = ("kv_bits", "kv_group_size", "full_precision_window", "window_bits", "kv_rotate")
 
 
@@ -42,8 +43,9 @@ class ChatSession:
             ``"default"``, budget 2048.
         system: an optional system message.
         max_tokens, temp, top_p, seed, guard: per turn, see :func:`stream_events`.
-        storage_request: the storage asked for (``--kv-bits``), which :meth:`plan` keeps for a new
-            budget; ``None``: the planner's rule (the dtype for tokens, its choice for memory).
+        storage_request: the storage asked for (``--kv-bits``), which a new budget keeps
+            (:meth:`replan`); ``None``: the planner's rule (the dtype for tokens, its choice for memory).
+            Default: the quantized storage of ``cache_options``, if any.
         cache_options: ``sinks``, ``window``, ``slack``, ``prompt_mode`` and the storage
             arguments (``kv_bits``...) for ``make_cache``.
 
@@ -64,7 +66,7 @@ class ChatSession:
         top_p: float = DEFAULT_TOP_P,
         seed: Optional[int] = None,
         guard: Optional[MemoryGuard] = None,
-        storage_request: Optional[KVStorage] = None,
+        storage_request: "Optional[KVStorage] | str" = FROM_OPTIONS,
         **cache_options: Any,
     ):
         self.model, self.tokenizer = model, as_wrapper(tokenizer)
@@ -77,7 +79,10 @@ class ChatSession:
         self._refeed = False
         self._stop = threading.Event()
         self.policy, self.budget, self.cache_options = policy, budget, dict(cache_options)
-        self.storage_request = storage_request
+        if storage_request == FROM_OPTIONS:
+            storage = KVStorage.from_options(**cache_options)
+            storage_request = storage if storage.quantized else None
+        self.storage_request: Optional[KVStorage] = storage_request
         self._new_caches()
 
     def _new_caches(self) -> None:
@@ -91,15 +96,27 @@ class ChatSession:
         """How the caches store their entries now."""
         return KVStorage.from_options(**self.cache_options)
 
-    def plan(self, budget: "int | str | BudgetRequest", storage: Optional[KVStorage] = None) -> CachePlan:
-        """What ``budget`` means for this session's model (see :func:`~mlxevict.plan.plan_cache`).
+    def replan(
+        self, budget: "int | str | BudgetRequest", storage: Optional[KVStorage] = None, *, policy: Optional[str] = None
+    ) -> CachePlan:
+        """Use ``budget`` (tokens, ``"1.5GB"``, ``"auto"``) from the next turn, sized by the one planner.
 
         Args:
-            budget: tokens, ``"1.5GB"`` or ``"auto"``.
-            storage: the storage to use; ``None``: the one asked for at the start (``storage_request``),
-                else the planner's rule.
+            budget: the new budget, as ``--budget`` takes it.
+            storage: the storage asked for; ``None``: the planner's rule (the dtype for tokens, its
+                choice for a budget in memory). Kept for later budgets (``storage_request``).
+            policy: a new policy too (``None``: keep).
+
+        Returns:
+            The :class:`~mlxevict.plan.CachePlan` used (its ``notes`` are worth telling the user).
+
+        Raises:
+            ValueError: a budget or storage that cannot work (the old settings stay).
         """
-        return plan_cache(self.model, budget, storage if storage is not None else self.storage_request)
+        plan = plan_cache(self.model, budget, storage)
+        self.configure(policy=policy, budget=plan.tokens, storage=plan.storage)
+        self.storage_request = storage
+        return plan
 
     def configure(
         self,

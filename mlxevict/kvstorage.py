@@ -242,11 +242,16 @@ class KVStorage:
         return bits_label(self.kv_bits) if self.quantized else "model dtype"
 
     @property
+    def bits_text(self) -> str:
+        """``--kv-bits``'s value: ``"5,3"``, ``"8"``, or ``"none"`` for the dtype."""
+        return _spell(FLAGS, "kv_bits", self.kv_bits).removeprefix("--kv-bits ") if self.quantized else NONE
+
+    @property
     def flags(self) -> str:
         """The command-line form: ``--kv-bits 5,3 --window-bits 8`` (``--kv-bits none`` for the dtype)."""
         if not self.quantized:
             return f"--kv-bits {NONE}"
-        parts = [_spell(FLAGS, "kv_bits", self.kv_bits)]
+        parts = [f"--kv-bits {self.bits_text}"]
         if self.group_size != DEFAULT_GROUP_SIZE:
             parts.append(_spell(FLAGS, "group", self.group_size))
         if self.full_precision_window is not None:

@@ -42,10 +42,12 @@ def make_cache(
         model: an mlx-lm model of a supported architecture (llama, mistral, qwen2, qwen3).
         policy: registry name; see ``mlxevict.policy_names()``. Default ``"default"``.
         budget: most KV entries per layer (default 2048), or KV memory for all layers:
-            ``"1.5GB"``, ``"800MB"``, or ``"auto"`` (a quarter of the free memory). Without
-            ``kv_bits`` a memory budget picks the storage as the CLI does: the model's dtype
-            or 8 bits when they hold the model's whole context, else keys in 5 bits, values
-            in 3 and the newest tokens in 8 (the most quality per byte measured).
+            ``"1.5GB"``, ``"800MB"``, or ``"auto"`` (a quarter of the free memory). Sized by
+            :func:`~mlxevict.plan.plan_cache`, as the CLI sizes ``--budget``: at most the
+            model's context (a larger one is capped there, with a warning); without
+            ``kv_bits`` a memory budget picks the storage: the model's dtype or 8 bits when
+            they hold the model's whole context, else keys in 5 bits, values in 3 and the
+            newest tokens in 8 (the most quality per byte measured).
         sinks, window, slack, prompt_mode, pinned, policy_kwargs: see :class:`EvictingKVCache`.
         kv_bits: ``None`` (default) stores KV in the model's dtype (for a budget in
             tokens; see ``budget`` for one in memory); 8 or 4 store

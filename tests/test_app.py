@@ -31,6 +31,8 @@ from mlxevict.app.stream import Batcher
 from mlxevict.app.transcript import cache_table
 from mlxevict.events import Finished, Progress, TextChunk
 from mlxevict.generate import ChatSession, ThinkSplitter
+from mlxevict.kvstorage import KVStorage
+from mlxevict.plan import plan_cache
 from mlxevict.stats import CacheStats
 from mlxevict.telemetry import MemorySnapshot
 
@@ -246,8 +248,8 @@ async def test_panel_shows_memory_kv_speed_and_entropy():
     app = scripted_app(session)
     async with app.run_test(size=SIZE) as pilot:
         panel = app.query_one(StatsPanel)
-        assert "6.5 GB" not in str(panel.query_one("#mem-text", Static).render())
-        assert "9.5 GB" in str(panel.query_one("#mem-text", Static).render())  # used = total - available
+        assert "6.5 GiB" not in str(panel.query_one("#mem-text", Static).render())
+        assert "9.5 GiB of 16.0 GiB" in str(panel.query_one("#mem-text", Static).render())  # used = total - available
         assert str(panel.query_one("#kv-text", Static).render()) == "empty"
         await ask(pilot, "What is 17 times 3?")
         await wait_idle(pilot)
@@ -397,6 +399,61 @@ async def test_settings_dialog_keeps_quantized_storage_and_the_panel_says_so(tin
     assert "| KV storage | 4-bit, newest 12 tokens in 8-bit |" in cache_table(eight_bit_window)
 
 
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory):
+    """A random-weight model with head_dim 64 (mx.quantize's default group size divides it), loaded."""
+    from mlx_lm import load
+
+    return load(str(build_tiny_model(tmp_path_factory.mktemp("app") / "tiny64", hidden=128, heads=2, kv_heads=1)))
+
+
+async def set_in_dialog(pilot, app, budget: str, kv_bits: str) -> None:
+    await pilot.press("ctrl+o")
+    await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen), timeout=5)
+    app.screen.query_one("#budget", Input).value = budget
+    field = app.screen.query_one("#kv-bits", Input)
+    field.value = kv_bits
+    field.focus()
+    await pilot.press("enter")
+
+
+@pilot_test
+async def test_settings_take_a_memory_budget_and_kv_bits_as_the_cli_does(tiny64):
+    model, tokenizer = tiny64
+    session = ChatSession(model, tokenizer, policy="window", budget=64, max_tokens=4, temp=0.0)
+    app = scripted_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        shown = lambda: str(app.query_one("#kv-policy", Static).render())  # noqa: E731
+        await set_in_dialog(pilot, app, "1.5GB", "5,3")
+        plan = plan_cache(model, "1.5GB", KVStorage.parse("5,3"))  # more than the context: capped, and said
+        await wait_until(pilot, lambda: session.budget == plan.tokens)
+        assert session.caches[0].kv_bits == (5, 3) and plan.tokens == plan.context_limit
+        assert f"window · budget {plan.tokens:,} (1.5GB) · 5/3-bit" in shown()  # at once, before any turn
+        # "100KB" is KV memory, not 100 tokens; an empty KV-bits field lets the planner choose, as --budget does
+        await set_in_dialog(pilot, app, "100KB", "")
+        plan = plan_cache(model, "100KB")
+        await wait_until(pilot, lambda: session.budget == plan.tokens)
+        assert plan.storage.label == "5/3-bit" and plan.tokens < 1000
+        assert f"budget {plan.tokens:,} (100KB) · 5/3-bit" in shown()
+        # a bad budget is the CLI's line, in the dialog, and nothing changes
+        await set_in_dialog(pilot, app, "20XB", "")
+        await wait_until(pilot, lambda: "bad --budget '20XB'" in str(app.screen.query_one("#settings-error").render()))
+        await pilot.press("escape")
+        # the palette takes a size too
+        await pilot.press("ctrl+p")
+        await wait_until(pilot, lambda: isinstance(app.screen, CommandPalette), timeout=5)
+        await pilot.press(*"budget 200KB")
+        await wait_until(pilot, lambda: "Budget: 200KB of KV memory" in first_hit(app), timeout=10)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: session.budget == plan_cache(model, "200KB").tokens)
+        assert "(200KB) · 5/3-bit" in shown()
+
+
+def first_hit(app) -> str:
+    options = app.screen.query_one(OptionList)
+    return str(options.get_option_at_index(0).prompt) if options.option_count else ""
+
+
 @pilot_test
 async def test_budget_the_session_rejects_is_not_applied():
     session = ScriptedSession(think_script())
@@ -502,7 +559,7 @@ async def test_small_terminal_hides_the_panel_behind_a_summary_line():
         assert not app.query_one(StatsPanel).display
         assert summary.display and 1 <= summary.region.height <= 2
         line = str(summary.render())
-        assert "mem 9.5/16.0 GB" in line and "KV 24/32" in line and "tok/s" in line
+        assert "mem 9.5/16.0 GiB" in line and "KV 24/32" in line and "tok/s" in line
         assert app.query_one("#prompt", Input).region.height > 0
         assert last_turn(app).answer_text == ANSWER
 

@@ -117,8 +117,12 @@ def command(session: ChatSession, line: str, err: TextIO) -> bool:
         session.configure(policy=value)
         print(f"policy {value} from the next turn", file=err)
     elif name == "/budget":
-        plan = plan_budget(session.model, parse_budget(value), session.storage_request)
-        session.configure(budget=plan.tokens, storage=plan.storage)
+        try:
+            plan = session.replan(parse_budget(value), session.storage_request)
+        except ValueError as error:
+            raise MlxEvictError(str(error)) from None
+        for note in plan.notes:
+            print(f"mlxevict: {note}", file=err)
         stored = f", KV in {plan.storage.label}" if plan.storage.quantized else ""
         print(f"budget {plan.tokens} tokens{stored} from the next turn", file=err)
     else:
