@@ -1,11 +1,13 @@
 """``EvictingKVCache``: fixed-capacity KV storage that a policy keeps under a budget.
 
 The cache speaks mlx-lm's cache protocol, so any supported model takes it in
-place of ``KVCache``. Storage is preallocated once at ``budget`` slots; when new
-tokens would not fit, the policy's scores pick the entries to keep, and the
-kept entries are gathered to the front in time order (compiled kernels). So KV
-memory never exceeds ``budget`` entries and shapes stay fixed while the model
-thinks. ``offset`` stays the absolute position (RoPE needs it); ``size()`` is
+place of ``KVCache``. Storage grows in steps (256 slots, as ``KVCache`` does, or
+a sixteenth of the budget for budgets over 4096) up to ``budget`` slots, then
+stays flat: when new tokens would not fit in the budget, the policy's scores pick
+the entries to keep, and the kept entries are gathered to the front in time order
+(compiled kernels). So KV memory never exceeds a full cache's by more than one
+step, nor ``budget`` entries, and shapes change only at those few fixed
+capacities (the compiled kernels trace once per capacity, not per step). ``offset`` stays the absolute position (RoPE needs it); ``size()`` is
 the number of stored entries.
 
 Eviction happens *before* a chunk is appended, using statistics the policy
@@ -29,7 +31,8 @@ DEFAULT_BUDGET = 2048
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 32  # at most; never more than budget // 8 unless asked (or the policy says otherwise)
 DEFAULT_SLACK = 16  # at most; never more than budget // 16 unless asked
-GROW_STEP = 256
+GROW_STEP = 256  # slots storage grows by, as mlx-lm's KVCache
+MAX_CAPACITIES = 16  # most capacities an evicting cache passes through: bounds the kernels' traces
 PROMPT_PIN_SHARE = 0.75  # most of the evictable room a pinned prompt may take
 PENDING_LIMIT = 64  # queued query tokens before statistics are folded in anyway
 PROMPT_MODES = ("evict", "compress")
@@ -45,6 +48,11 @@ def default_window(budget: int, policy: Policy | None = None) -> int:
 
 def default_slack(budget: int) -> int:
     return min(DEFAULT_SLACK, budget // 16)
+
+
+def grow_step(budget: int) -> int:
+    """Slots an evicting cache of ``budget`` grows by: ``GROW_STEP``, or more so it grows at most 16 times."""
+    return GROW_STEP * max(1, -(-budget // (GROW_STEP * MAX_CAPACITIES)))
 
 
 def check_budget(budget: int) -> None:
@@ -123,6 +131,7 @@ class EvictingKVCache(_BaseCache):
         validate_budget(budget, sinks, window, slack, self.pinned_tokens)
         self.budget, self.sinks, self.window, self.slack = budget, sinks, window, slack
         self.prompt_mode = prompt_mode
+        self.step = grow_step(budget) if self.policy.evicts else GROW_STEP
         # Slots appended since positions/stats were last read: (first slot, first position,
         # count). Written in one go on the next read, not one scatter per token.
         self._fresh: tuple[int, int, int] | None = None
@@ -211,7 +220,7 @@ class EvictingKVCache(_BaseCache):
         """Store ``(B, H, S, D)`` keys/values for ``S`` new tokens; return all kept entries."""
         B, H, S, D = keys.shape
         if self.keys is None:
-            self._allocate(B, H, D, values.shape[-1], keys.dtype)
+            self._allocate(B, H, D, values.shape[-1], keys.dtype, self._capacity_for(S))
         elif self.dense_shape[:3] != (B, H, D):
             b, h, d = self.dense_shape[:3]
             raise ValueError(
@@ -304,8 +313,8 @@ class EvictingKVCache(_BaseCache):
         if not self.policy.evicts or (self.prompt_mode == "compress" and S > 1):
             return None
         compressing = self.prompt_mode == "compress" and self._size > self.budget
-        if not compressing and self._size + S <= self.capacity:
-            return None
+        if not compressing and self._size + S <= self.budget:
+            return None  # storage grows (if need be) instead
         if S > self.max_chunk:
             raise ValueError(
                 f"a chunk of {S} tokens does not fit budget={self.budget} with sinks={self.sinks}, "
@@ -357,8 +366,7 @@ class EvictingKVCache(_BaseCache):
     def _set_slots(self, arrays: list[mx.array]) -> None:
         self.positions, self.keys, self.values, self.stats = arrays
 
-    def _allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype) -> None:
-        capacity = self.budget if self.policy.evicts else GROW_STEP
+    def _allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype, capacity: int) -> None:
         self.keys = mx.zeros((B, H, capacity, D), dtype)
         self.values = mx.zeros((B, H, capacity, Dv), dtype)
         self.positions = mx.full((B, H, capacity), -1, mx.int32)
@@ -368,9 +376,15 @@ class EvictingKVCache(_BaseCache):
         self.keys, self.values = fit_slots(self.keys, capacity, 0), fit_slots(self.values, capacity, 0)
         self.positions, self.stats = fit_slots(self.positions, capacity, -1), fit_slots(self.stats, capacity, 0)
 
+    def _capacity_for(self, needed: int) -> int:
+        """Slots to hold ``needed`` entries: whole steps, and no more than the budget while it holds them."""
+        capacity = -(-needed // self.step) * self.step
+        if self.policy.evicts and needed <= self.budget:
+            capacity = min(capacity, self.budget)
+        return capacity
+
     def _grow(self, needed: int) -> None:
-        """Only ``full`` and a prompt being held for compression ever grow."""
-        self._resize(-(-needed // GROW_STEP) * GROW_STEP)
+        self._resize(self._capacity_for(needed))
 
     def _shrink(self) -> None:
         """After the prompt was compressed, return to a fixed ``budget`` capacity."""

@@ -45,7 +45,7 @@ from functools import lru_cache
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .cache import DEFAULT_BUDGET, GROW_STEP, EvictingKVCache, default_window, fit_slots
+from .cache import DEFAULT_BUDGET, EvictingKVCache, default_window, fit_slots
 from .policies import Policy
 
 KV_BITS = (8, 4)
@@ -363,9 +363,8 @@ class QuantizedEvictingKVCache(EvictingKVCache):
             mx.zeros((B, H, C, groups), dtype),
         )
 
-    def _allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype) -> None:
+    def _allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype, capacity: int) -> None:
         check_storage(self.kv_bits, self.kv_group_size, (D, Dv))
-        capacity = self.budget if self.policy.evicts else GROW_STEP
         quantized = self._quantized_capacity(capacity)
         self.keys = self._zeros(B, H, quantized, D, dtype, self.key_bits)
         self.values = self._zeros(B, H, quantized, Dv, dtype, self.value_bits)
