@@ -18,6 +18,7 @@ collected from earlier queries; it frees ``slack`` extra entries so the next
 from __future__ import annotations
 
 import json
+import operator
 import warnings
 from typing import Any, Sequence
 
@@ -75,6 +76,33 @@ def validate_budget(budget: int, sinks: int, window: int, slack: int, pinned_tok
         )
 
 
+def check_pinned(pinned: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``pinned`` as a list of ``(start, end)`` int pairs, or a ``ValueError`` naming the bad span."""
+    spans = []
+    for span in pinned:
+        try:
+            if any(isinstance(x, bool) for x in span):
+                raise TypeError
+            start, end = (operator.index(x) for x in span)
+            ok = 0 <= start < end
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"pinned span {span!r} is not a (start, end) pair of positions with 0 <= start < end; "
+                "give half-open spans such as (2, 5)"
+            )
+        spans.append((start, end))
+    return spans
+
+
+NOT_PATCHED = (
+    "this cache is driven by a model that mlxevict has not patched: its attention would not feed the "
+    "policy (or read quantized storage), and the output would silently differ; call mlxevict.patch(model) "
+    "first, or load a saved cache with mlxevict.load_cache(path, model)"
+)
+
+
 def fit_slots(x: mx.array, capacity: int, fill) -> mx.array:
     """``x`` ``(B, H, C, ...)`` cut or padded with ``fill`` to ``capacity`` slots."""
     if x.shape[2] >= capacity:
@@ -124,7 +152,7 @@ class EvictingKVCache(_BaseCache):
         self.policy = make_policy(policy, **policy_kwargs) if isinstance(policy, str) else policy
         if prompt_mode not in PROMPT_MODES:
             raise ValueError(f"prompt_mode={prompt_mode!r}; choose one of {PROMPT_MODES}")
-        self.pinned: list[tuple[int, int]] = [(int(a), int(b)) for a, b in pinned]
+        self.pinned: list[tuple[int, int]] = check_pinned(pinned)
         check_budget(budget)
         window = default_window(budget, self.policy) if window is None else window
         slack = default_slack(budget) if slack is None else slack
@@ -144,6 +172,9 @@ class EvictingKVCache(_BaseCache):
         self._pending_entropy: list[mx.array] = []
         self.scale = 1.0
         self.offset = 0  # absolute position: tokens seen so far
+        # Set by the patched model's call (mlxevict.patch); a cache loaded or built apart from a
+        # patched model refuses to run until one drives it.
+        self.model_patched = False
         self._size = 0  # entries stored
         self.evictions = 0
         self._last_budget = budget
@@ -218,6 +249,8 @@ class EvictingKVCache(_BaseCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store ``(B, H, S, D)`` keys/values for ``S`` new tokens; return all kept entries."""
+        if not self.model_patched:
+            raise ValueError(NOT_PATCHED)
         B, H, S, D = keys.shape
         if self.keys is None:
             self._allocate(B, H, D, values.shape[-1], keys.dtype, self._capacity_for(S))
@@ -466,7 +499,8 @@ class EvictingKVCache(_BaseCache):
 
     def pin(self, start: int, end: int) -> None:
         """Always keep absolute positions ``[start, end)`` from now on (e.g. the user prompt)."""
+        (span,) = check_pinned([(start, end)])
         validate_budget(
             self.budget, self.sinks, self.protected_window, self.slack, self.pinned_tokens + end - start
         )
-        self.pinned.append((int(start), int(end)))
+        self.pinned.append(span)

@@ -90,6 +90,8 @@ def _chunked_call(self, inputs: mx.array, cache=None, **kwargs):
     if not caches:
         return base_call(inputs, cache=cache, **kwargs)
     for c in caches:
+        c.model_patched = True
+    for c in caches:
         if c.policy.pins_prompt and c.offset == 0:
             c.pin_prompt(inputs.shape[1])
     step = min(STATS_CHUNK, *(c.max_chunk for c in caches))

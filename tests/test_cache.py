@@ -180,6 +180,8 @@ def test_uncertainty_budget_follows_prediction_entropy():
     unsure = make_cache(model, "uncertainty", budget=40, window=4, slack=0, min_fraction=0.5)
     tokens = random_tokens(60)
     for caches, entropy in ((sure, 0.0), (unsure, 30.0)):
+        for c in caches:  # the model's own forward does not mark the caches as driven by a patched model
+            c.model_patched = True
         for t in range(60):
             forward(model, tokens[None, t : t + 1], cache=caches)
             for c in caches:  # a controlled H(p_t) instead of the model's own
@@ -205,6 +207,10 @@ def test_full_policy_grows_like_kvcache():
         (dict(policy="entropyy"), "unknown policy 'entropyy'"),
         (dict(window=-1), "window=-1"),
         (dict(prompt_mode="later"), "prompt_mode='later'"),
+        (dict(pinned=[(5, 2)]), r"pinned span \(5, 2\) .* 0 <= start < end"),
+        (dict(pinned=[(-1, 2)]), r"pinned span \(-1, 2\)"),
+        (dict(pinned=[(1.5, 2)]), r"pinned span \(1.5, 2\)"),
+        (dict(pinned=[3]), r"pinned span 3 "),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, message):
@@ -282,3 +288,52 @@ def test_default_keeps_a_quarter_of_the_budget_recent(budget, anchored, others):
     # The full-precision window of quantized storage does not follow the policy's window.
     quantized = make_cache(model, "default", budget=budget, kv_bits=8, kv_group_size=32)[0]
     assert quantized.full_precision_window == others
+
+
+def test_pin_refuses_an_empty_span():
+    caches = make_cache(tiny_model("llama", layers=1), "default", budget=64)
+    with pytest.raises(ValueError, match=r"pinned span \(5, 2\)"):
+        mlxevict.pin(caches, 5, 2)
+    assert caches[0].pinned == []
+
+
+def test_a_reloaded_cache_refuses_an_unpatched_model(tmp_path):
+    """Issue 17: under a model mlxevict has not patched, a reloaded cache silently diverged."""
+    model = tiny_model("llama")
+    caches = make_cache(model, "h2o", budget=24, window=4, slack=2)
+    tokens = random_tokens(40)
+    run_chunks(model, caches, tokens, [12] + [1] * 8)
+    path = tmp_path / "cache.safetensors"
+    save_prompt_cache(str(path), caches)
+    unpatched = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"not patched.*mlxevict.patch\(model\)"):
+        unpatched(tokens[None, 20:21], cache=load_prompt_cache(str(path)))
+    loaded = mlxevict.load_cache(path, unpatched)  # patches the model it is given
+    expected = run_chunks(model, caches, tokens[20:], [1] * 20)
+    assert mx.allclose(run_chunks(unpatched, loaded, tokens[20:], [1] * 20), expected, atol=1e-5).item()
+
+
+@pytest.mark.parametrize(
+    "other, message",
+    [
+        (dict(head_dim=32), "2 kv-heads of dim 16 but the model has 2 of dim 32"),
+        (dict(num_key_value_heads=4), "2 kv-heads of dim 16 but the model has 4"),
+        (dict(layers=3), "2 layers but the model has 3"),
+    ],
+)
+def test_load_cache_refuses_another_model(tmp_path, other, message):
+    model = tiny_model("llama")
+    caches = make_cache(model, "window", budget=32)
+    run_chunks(model, caches, random_tokens(10), [10])
+    save_prompt_cache(str(tmp_path / "c.safetensors"), caches)
+    with pytest.raises(ValueError, match=message):
+        mlxevict.load_cache(tmp_path / "c.safetensors", tiny_model("llama", **other))
+
+
+def test_load_cache_names_a_file_that_is_not_a_cache(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    mx.save_safetensors(str(weights), {"w": mx.zeros((2, 2))})
+    with pytest.raises(ValueError, match="is not a saved prompt cache"):
+        mlxevict.load_cache(weights, tiny_model("llama"))
+    with pytest.raises(ValueError, match="does not exist"):
+        mlxevict.load_cache(tmp_path / "missing.safetensors", tiny_model("llama"))
