@@ -175,6 +175,10 @@ class EvictingKVCache(_BaseCache):
         # Set by the patched model's call (mlxevict.patch); a cache loaded or built apart from a
         # patched model refuses to run until one drives it.
         self.model_patched = False
+        # The prompt (see feed_prompt): open until the first single-token call.
+        self.prompt_open = bool(self.policy.pins_prompt)
+        self._prompt_span: tuple[int, int] | None = None
+        self._prompt_too_long = False
         self._size = 0  # entries stored
         self.evictions = 0
         self._last_budget = budget
@@ -448,6 +452,7 @@ class EvictingKVCache(_BaseCache):
             "size": self._size,
             "evictions": self.evictions,
             "scale": self.scale,
+            "prompt": [self.prompt_open, self._prompt_span, self._prompt_too_long],
         }
 
     def _restore(self, meta: dict[str, Any], **storage: Any) -> None:
@@ -466,6 +471,10 @@ class EvictingKVCache(_BaseCache):
         self.policy.load_runtime_state(meta["policy_state"])
         self.offset, self._size = meta["offset"], meta["size"]
         self.evictions, self.scale = meta["evictions"], meta["scale"]
+        # caches saved before the prompt was tracked: open only if nothing was fed yet
+        prompt_open, span, too_long = meta.get("prompt", [self.offset == 0 and self.prompt_open, None, False])
+        self.prompt_open, self._prompt_too_long = prompt_open, too_long
+        self._prompt_span = tuple(span) if span else None
 
     @property
     def state(self):
@@ -481,21 +490,40 @@ class EvictingKVCache(_BaseCache):
         self.keys, self.values, self.positions, self.stats = v[:4]
         self.recent_queries, self.recent_query_pos = v[4:6]
 
-    def pin_prompt(self, length: int) -> None:
-        """Pin the first ``length`` tokens (the prompt) if they fit in 3/4 of the evictable room.
+    def feed_prompt(self, S: int) -> None:
+        """Pin the prompt as it arrives: called by the patched model before each call of ``S`` tokens.
 
-        A longer prompt is not pinned, and a warning says so once per cache.
+        The prompt is every token fed before the first single-token call, and that
+        token too: mlx-lm's ``generate_step`` feeds a prompt in 2,048-token chunks and
+        its last token alone (a loop that feeds the whole prompt in one call gets its
+        first generated token pinned with it, if it fits). The prompt is pinned while it
+        fits in 3/4 of the evictable room; once a chunk makes it longer it is unpinned,
+        and when it ends a warning names its whole length, once per cache.
         """
+        if not self.prompt_open:
+            return
+        length = self.offset + S
+        if self._prompt_span in self.pinned:
+            self.pinned.remove(self._prompt_span)
         room = self.budget - self.sinks - self.protected_window - self.slack - self.pinned_tokens
         limit = int(room * PROMPT_PIN_SHARE)
-        if length <= limit:
-            self.pin(0, length)
+        closing = S == 1
+        if length > limit and not (closing and self._prompt_span):
+            self._prompt_too_long = True  # (a last token that does not fit leaves the pin as it is)
+        if not self._prompt_too_long:
+            self._prompt_span = (0, min(length, limit))
         else:
-            warnings.warn(
-                f"the prompt ({length} tokens) is longer than the {limit} tokens the budget lets "
-                "mlxevict pin; it is not pinned and may be evicted: raise --budget to keep it",
-                stacklevel=2,
-            )
+            self._prompt_span = None
+        if self._prompt_span:
+            self.pinned.append(self._prompt_span)
+        if closing:
+            self.prompt_open = False
+            if self._prompt_too_long:
+                warnings.warn(
+                    f"the prompt ({length} tokens) is longer than the {limit} tokens the budget lets "
+                    "mlxevict pin; it is not pinned and may be evicted: raise --budget to keep it",
+                    stacklevel=2,
+                )
 
     def pin(self, start: int, end: int) -> None:
         """Always keep absolute positions ``[start, end)`` from now on (e.g. the user prompt)."""

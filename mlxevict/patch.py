@@ -91,9 +91,7 @@ def _chunked_call(self, inputs: mx.array, cache=None, **kwargs):
         return base_call(inputs, cache=cache, **kwargs)
     for c in caches:
         c.model_patched = True
-    for c in caches:
-        if c.policy.pins_prompt and c.offset == 0:
-            c.pin_prompt(inputs.shape[1])
+        c.feed_prompt(inputs.shape[1])
     step = min(STATS_CHUNK, *(c.max_chunk for c in caches))
     wants_entropy = [c for c in caches if c.policy.uses_prediction_entropy]
     embeddings = kwargs.pop("input_embeddings", None)

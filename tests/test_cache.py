@@ -221,7 +221,7 @@ def test_bad_arguments_raise_clear_errors(kwargs, message):
 def test_cache_reused_with_another_model_is_refused():
     caches = make_cache(tiny_model("llama"), "window", budget=32)
     tiny_model("llama")(random_tokens(4)[None], cache=caches)
-    other = tiny_model("llama", num_key_value_heads=4)
+    other = mlxevict.patch(tiny_model("llama", num_key_value_heads=4))
     with pytest.raises(ValueError, match="made for another model"):
         other(random_tokens(4)[None], cache=caches)
 
@@ -275,8 +275,29 @@ def test_default_says_when_the_prompt_is_too_long_to_pin():
     model = tiny_model("llama")
     caches = make_cache(model, "default", budget=64)
     with pytest.warns(UserWarning, match=r"prompt \(50 tokens\) .* not pinned"):
-        model(random_tokens(50)[None], cache=caches)
+        list(generate_step(random_tokens(50), model, prompt_cache=caches, max_tokens=2))
     assert caches[0].pinned == []
+
+
+def test_the_prompt_is_pinned_whole_however_generate_step_chunks_it():
+    """Issue 15: mlx-lm feeds a prompt in prefill chunks; the pin must see all of them."""
+    model = tiny_model("llama")
+    caches = make_cache(model, "default", budget=128)  # pins prompts of up to 63 tokens
+    steps = generate_step(random_tokens(60), model, prompt_cache=caches, max_tokens=150, prefill_step_size=16)
+    assert len(list(steps)) == 150
+    assert caches[0].pinned == [(0, 60)] and mlxevict.cache_stats(caches).evicted > 50
+    for cache in caches:
+        for head in cache.positions[0].tolist():
+            assert set(range(60)) <= set(head)
+
+
+def test_a_prompt_too_long_to_pin_is_named_by_its_whole_length():
+    model = tiny_model("llama")
+    caches = make_cache(model, "default", budget=128)
+    with pytest.warns(UserWarning, match=r"prompt \(100 tokens\) is longer than the 63 tokens") as seen:
+        list(generate_step(random_tokens(100), model, prompt_cache=caches, max_tokens=40, prefill_step_size=16))
+    assert len([w for w in seen if "prompt" in str(w.message)]) == len(caches)  # once per cache, at the end
+    assert caches[0].pinned == [] and not caches[0].prompt_open
 
 
 @pytest.mark.parametrize(("budget", "anchored", "others"), [(64, 16, 8), (128, 32, 16), (1024, 64, 32)])
