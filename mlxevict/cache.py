@@ -25,8 +25,10 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_causal_mask
 
+from .dense_storage import DenseStorage, fit_slots
 from .kernels import compact_compiled, priority_compiled
 from .policies import Policy, make_policy
+from .quantized_storage import QuantizedStorage
 
 DEFAULT_BUDGET = 2048
 DEFAULT_SINKS = 4
@@ -54,6 +56,11 @@ def default_slack(budget: int) -> int:
 def grow_step(budget: int) -> int:
     """Slots an evicting cache of ``budget`` grows by: ``GROW_STEP``, or more so it grows at most 16 times."""
     return GROW_STEP * max(1, -(-budget // (GROW_STEP * MAX_CAPACITIES)))
+
+
+def storage_from_meta(meta: dict[str, Any]) -> Any:
+    """The storage component a saved cache's metadata describes (quantized ones save ``kv_bits``)."""
+    return DenseStorage() if meta.get("kv_bits") is None else QuantizedStorage.from_meta(meta)
 
 
 def check_budget(budget: int) -> None:
@@ -103,19 +110,14 @@ NOT_PATCHED = (
 )
 
 
-def fit_slots(x: mx.array, capacity: int, fill) -> mx.array:
-    """``x`` ``(B, H, C, ...)`` cut or padded with ``fill`` to ``capacity`` slots."""
-    if x.shape[2] >= capacity:
-        return x[:, :, :capacity]
-    pad = mx.full((*x.shape[:2], capacity - x.shape[2], *x.shape[3:]), fill, x.dtype)
-    return mx.concatenate([x, pad], axis=2)
-
-
 class EvictingKVCache(_BaseCache):
     """A KV cache that holds at most ``budget`` entries, evicting by a policy.
 
-    Entries are stored in the model's dtype; ``make_cache(..., kv_bits=8)`` builds
-    :class:`mlxevict.quantized.QuantizedEvictingKVCache`, which stores them in 8 or 4 bits.
+    How entries are held is its ``storage`` component: :class:`~mlxevict.dense_storage.DenseStorage`
+    (the model's dtype, the default) or :class:`~mlxevict.quantized_storage.QuantizedStorage`
+    (``make_cache(..., kv_bits=8)``, which builds a
+    :class:`~mlxevict.quantized.QuantizedEvictingKVCache`). The cache decides which
+    slots are kept; the storage holds them.
 
     Args:
         policy: a registry name (``"entropy"``, ``"uncertainty"``, ``"window"``,
@@ -131,10 +133,9 @@ class EvictingKVCache(_BaseCache):
             flat); ``"compress"`` holds the whole prompt and compresses it to the
             budget when decoding starts (kvpress style, needs prompt-sized memory).
         pinned: absolute ``(start, end)`` spans always kept, e.g. the user prompt.
+        storage: a fresh storage component; default :class:`DenseStorage`.
         policy_kwargs: arguments for the policy class.
     """
-
-    kv_bits: int | None = None  # storage bits; None: the model's dtype
 
     def __init__(
         self,
@@ -146,6 +147,7 @@ class EvictingKVCache(_BaseCache):
         slack: int | None = None,
         prompt_mode: str = "evict",
         pinned: Sequence[tuple[int, int]] = (),
+        storage: DenseStorage | QuantizedStorage | None = None,
         **policy_kwargs: Any,
     ):
         self.policy_name = policy if isinstance(policy, str) else policy.name
@@ -157,6 +159,8 @@ class EvictingKVCache(_BaseCache):
         window = default_window(budget, self.policy) if window is None else window
         slack = default_slack(budget) if slack is None else slack
         validate_budget(budget, sinks, window, slack, self.pinned_tokens)
+        self.storage = DenseStorage() if storage is None else storage
+        self.storage.check_budget(budget, sinks + self.pinned_tokens + slack, window)
         self.budget, self.sinks, self.window, self.slack = budget, sinks, window, slack
         self.prompt_mode = prompt_mode
         self.step = grow_step(budget) if self.policy.evicts else GROW_STEP
@@ -165,7 +169,6 @@ class EvictingKVCache(_BaseCache):
         self._fresh: tuple[int, int, int] | None = None
         self._positions: mx.array | None = None
         self._stats: mx.array | None = None
-        self.keys = self.values = None
         self.recent_queries = self.recent_query_pos = None
         self._pending_queries: list[mx.array] = []
         self._pending_start = 0  # position of the first queued query (queued queries are consecutive)
@@ -222,8 +225,8 @@ class EvictingKVCache(_BaseCache):
 
     @property
     def protected_window(self) -> int:
-        """The newest positions an eviction never drops."""
-        return self.window
+        """The newest positions an eviction never drops (the storage may hold a window of its own)."""
+        return max(self.window, self.storage.protected)
 
     @property
     def pinned_tokens(self) -> int:
@@ -240,13 +243,11 @@ class EvictingKVCache(_BaseCache):
         return self._size
 
     def empty(self) -> bool:
-        return self.keys is None
+        return self.storage.empty()
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
+        return self.storage.nbytes
 
     def is_trimmable(self) -> bool:
         return False
@@ -256,7 +257,7 @@ class EvictingKVCache(_BaseCache):
         if not self.model_patched:
             raise ValueError(NOT_PATCHED)
         B, H, S, D = keys.shape
-        if self.keys is None:
+        if self.storage.empty():
             self._allocate(B, H, D, values.shape[-1], keys.dtype, self._capacity_for(S))
         elif self.dense_shape[:3] != (B, H, D):
             b, h, d = self.dense_shape[:3]
@@ -272,7 +273,7 @@ class EvictingKVCache(_BaseCache):
         if self._size + S > self.capacity:
             self._grow(self._size + S)
         start, end = self._size, self._size + S
-        self._write(keys, values, start)
+        self.storage.write(keys, values, start)
         if self._fresh is None:
             self._fresh = (start, self.offset, S)
         else:
@@ -280,8 +281,8 @@ class EvictingKVCache(_BaseCache):
         self._size = end
         self.offset += S
         if self.prompt_mode == "compress" and S == 1 and self.policy.evicts and self.capacity > self.budget:
-            self._shrink()
-        return self._fetch()
+            self._resize(self.budget)  # the prompt is compressed: back to a fixed capacity
+        return self.storage.fetch(self._size)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """The causal mask for a chunk of ``N`` queries over the entries kept after this step."""
@@ -374,43 +375,47 @@ class EvictingKVCache(_BaseCache):
         self.evictions += 1
         self._size = n_keep
 
-    # ---- storage (QuantizedEvictingKVCache overrides these) ----------------
+    # ---- storage: the component holds the entries, the cache the per-slot bookkeeping ----
+    keys = property(lambda self: self.storage.keys, doc="The storage's keys (``None`` before the first token).")
+    values = property(lambda self: self.storage.values, doc="The storage's values.")
+    kv_bits = property(lambda self: self.storage.kv_bits, doc="Storage bits; ``None``: the model's dtype.")
+    # Quantized storage's settings and window (``None`` for dense storage), as caches of 0.1 had them.
+    kv_group_size = property(lambda self: getattr(self.storage, "kv_group_size", None))
+    full_precision_window = property(lambda self: getattr(self.storage, "full_precision_window", None))
+    window_bits = property(lambda self: getattr(self.storage, "window_bits", None))
+    kv_rotate = property(lambda self: getattr(self.storage, "kv_rotate", False))
+    key_bits = property(lambda self: getattr(self.storage, "key_bits", None))
+    value_bits = property(lambda self: getattr(self.storage, "value_bits", None))
+    rotation = property(lambda self: getattr(self.storage, "rotation", None))
+    n_full = property(lambda self: getattr(self.storage, "n_full", 0))
+    fp_keys = property(lambda self: getattr(self.storage, "fp_keys", None))
+    fp_values = property(lambda self: getattr(self.storage, "fp_values", None))
+
     @property
     def dense_keys(self) -> mx.array:
         """``(B, H, C, D)`` keys in the model's dtype, slot by slot: what policies score."""
-        return self.keys
+        return self.storage.dense_keys(self._size, self.capacity)
 
     @property
     def dense_shape(self) -> tuple[int, int, int, int, mx.Dtype]:
         """``(B, H, D, Dv, dtype)`` of the keys and values as the model made them."""
-        B, H, _, D = self.keys.shape
-        return B, H, D, self.values.shape[3], self.keys.dtype
-
-    def _write(self, keys: mx.array, values: mx.array, start: int) -> None:
-        """Store ``(B, H, S, D)`` keys/values in slots ``[start, start + S)``."""
-        S = keys.shape[2]
-        self.keys[..., start : start + S, :] = keys
-        self.values[..., start : start + S, :] = values
-
-    def _fetch(self):
-        """What attention reads: the kept keys and values, ``(B, H, size, D)`` each."""
-        return self.keys[..., : self._size, :], self.values[..., : self._size, :]
+        return self.storage.shape
 
     def _slots(self) -> list[mx.array]:
         """Every per-slot array, ``positions`` first: what compaction gathers."""
-        return [self.positions, self.keys, self.values, self.stats]
+        return [self.positions, *self.storage.slots(), self.stats]
 
     def _set_slots(self, arrays: list[mx.array]) -> None:
-        self.positions, self.keys, self.values, self.stats = arrays
+        self.positions, self.stats = arrays[0], arrays[-1]
+        self.storage.set_slots(arrays[1:-1])
 
     def _allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype, capacity: int) -> None:
-        self.keys = mx.zeros((B, H, capacity, D), dtype)
-        self.values = mx.zeros((B, H, capacity, Dv), dtype)
+        self.storage.allocate(B, H, D, Dv, dtype, capacity)
         self.positions = mx.full((B, H, capacity), -1, mx.int32)
         self.stats = mx.zeros((B, H, capacity), mx.float32)
 
     def _resize(self, capacity: int) -> None:
-        self.keys, self.values = fit_slots(self.keys, capacity, 0), fit_slots(self.values, capacity, 0)
+        self.storage.resize(capacity)
         self.positions, self.stats = fit_slots(self.positions, capacity, -1), fit_slots(self.stats, capacity, 0)
 
     def _capacity_for(self, needed: int) -> int:
@@ -422,10 +427,6 @@ class EvictingKVCache(_BaseCache):
 
     def _grow(self, needed: int) -> None:
         self._resize(self._capacity_for(needed))
-
-    def _shrink(self) -> None:
-        """After the prompt was compressed, return to a fixed ``budget`` capacity."""
-        self._resize(self.budget)
 
     # ---- save / load ------------------------------------------------------
     @property
@@ -453,11 +454,13 @@ class EvictingKVCache(_BaseCache):
             "evictions": self.evictions,
             "scale": self.scale,
             "prompt": [self.prompt_open, self._prompt_span, self._prompt_too_long],
+            **self.storage.meta(),
         }
 
-    def _restore(self, meta: dict[str, Any], **storage: Any) -> None:
-        """Rebuild from :meth:`_meta` (``storage``: the subclass's constructor arguments)."""
-        self.__init__(
+    def _restore(self, meta: dict[str, Any]) -> None:
+        """Rebuild from :meth:`_meta`, the storage too (whichever class loads it)."""
+        EvictingKVCache.__init__(
+            self,
             meta["policy"],
             meta["budget"],
             sinks=meta["sinks"],
@@ -465,7 +468,7 @@ class EvictingKVCache(_BaseCache):
             slack=meta["slack"],
             prompt_mode=meta["prompt_mode"],
             pinned=[tuple(p) for p in meta["pinned"]],
-            **storage,
+            storage=storage_from_meta(meta),
             **meta["policy_config"],
         )
         self.policy.load_runtime_state(meta["policy_state"])
@@ -479,15 +482,16 @@ class EvictingKVCache(_BaseCache):
     @property
     def state(self):
         # mlx-lm's save_prompt_cache stores only ``state``, so the metadata rides along.
+        # (keys, values, positions, stats, recent queries, their positions, metadata): the layout of 0.1.
         self._flush()
-        arrays = (self.keys, self.values, self.positions, self.stats)
         queries = (self.recent_queries, self.recent_query_pos)
-        return (*arrays, *queries, self.meta_state)
+        return (*self.storage.state, self.positions, self.stats, *queries, self.meta_state)
 
     @state.setter
     def state(self, v) -> None:
-        self.meta_state = v[6]
-        self.keys, self.values, self.positions, self.stats = v[:4]
+        self.meta_state = v[6]  # rebuilds the storage its metadata names
+        self.storage.state = v[0], v[1]
+        self.positions, self.stats = v[2], v[3]
         self.recent_queries, self.recent_query_pos = v[4:6]
 
     def feed_prompt(self, S: int) -> None:

@@ -219,8 +219,9 @@ def test_bad_arguments_raise_clear_errors(kwargs, message):
 
 
 def test_cache_reused_with_another_model_is_refused():
-    caches = make_cache(tiny_model("llama"), "window", budget=32)
-    tiny_model("llama")(random_tokens(4)[None], cache=caches)
+    model = tiny_model("llama")
+    caches = make_cache(model, "window", budget=32)
+    model(random_tokens(4)[None], cache=caches)
     other = mlxevict.patch(tiny_model("llama", num_key_value_heads=4))
     with pytest.raises(ValueError, match="made for another model"):
         other(random_tokens(4)[None], cache=caches)
