@@ -18,7 +18,6 @@ collected from earlier queries; it frees ``slack`` extra entries so the next
 from __future__ import annotations
 
 import json
-import operator
 import warnings
 from typing import Any, Sequence
 
@@ -27,6 +26,7 @@ from mlx_lm.models.cache import _BaseCache, create_causal_mask
 
 from .dense_storage import DenseStorage, fit_slots
 from .kernels import compact_compiled, priority_compiled
+from .pins import Pins
 from .policies import Policy, make_policy
 from .quantized_storage import QuantizedStorage
 
@@ -36,7 +36,6 @@ DEFAULT_WINDOW = 32  # at most; never more than budget // 8 unless asked (or the
 DEFAULT_SLACK = 16  # at most; never more than budget // 16 unless asked
 GROW_STEP = 256  # slots storage grows by, as mlx-lm's KVCache
 MAX_CAPACITIES = 16  # most capacities an evicting cache passes through: bounds the kernels' traces
-PROMPT_PIN_SHARE = 0.75  # most of the evictable room a pinned prompt may take
 PENDING_LIMIT = 64  # queued query tokens before statistics are folded in anyway
 PROMPT_MODES = ("evict", "compress")
 
@@ -81,26 +80,6 @@ def validate_budget(budget: int, sinks: int, window: int, slack: int, pinned_tok
             f"budget={budget} leaves no room to evict: {what} = {protected + slack}; "
             "raise --budget or lower --window/--sinks"
         )
-
-
-def check_pinned(pinned: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``pinned`` as a list of ``(start, end)`` int pairs, or a ``ValueError`` naming the bad span."""
-    spans = []
-    for span in pinned:
-        try:
-            if any(isinstance(x, bool) for x in span):
-                raise TypeError
-            start, end = (operator.index(x) for x in span)
-            ok = 0 <= start < end
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"pinned span {span!r} is not a (start, end) pair of positions with 0 <= start < end; "
-                "give half-open spans such as (2, 5)"
-            )
-        spans.append((start, end))
-    return spans
 
 
 NOT_PATCHED = (
@@ -154,7 +133,7 @@ class EvictingKVCache(_BaseCache):
         self.policy = make_policy(policy, **policy_kwargs) if isinstance(policy, str) else policy
         if prompt_mode not in PROMPT_MODES:
             raise ValueError(f"prompt_mode={prompt_mode!r}; choose one of {PROMPT_MODES}")
-        self.pinned: list[tuple[int, int]] = check_pinned(pinned)
+        self.pins = Pins(pinned, pin_prompt=bool(self.policy.pins_prompt))
         check_budget(budget)
         window = default_window(budget, self.policy) if window is None else window
         slack = default_slack(budget) if slack is None else slack
@@ -178,10 +157,6 @@ class EvictingKVCache(_BaseCache):
         # Set by the patched model's call (mlxevict.patch); a cache loaded or built apart from a
         # patched model refuses to run until one drives it.
         self.model_patched = False
-        # The prompt (see feed_prompt): open until the first single-token call.
-        self.prompt_open = bool(self.policy.pins_prompt)
-        self._prompt_span: tuple[int, int] | None = None
-        self._prompt_too_long = False
         self._size = 0  # entries stored
         self.evictions = 0
         self._last_budget = budget
@@ -230,7 +205,12 @@ class EvictingKVCache(_BaseCache):
 
     @property
     def pinned_tokens(self) -> int:
-        return sum(max(0, b - a) for a, b in self.pinned)
+        return self.pins.tokens
+
+    @property
+    def pinned(self) -> list[tuple[int, int]]:
+        """Absolute ``(start, end)`` spans always kept (the prompt's among them)."""
+        return self.pins.spans
 
     @property
     def max_chunk(self) -> int:
@@ -448,12 +428,11 @@ class EvictingKVCache(_BaseCache):
             "window": self.window,
             "slack": self.slack,
             "prompt_mode": self.prompt_mode,
-            "pinned": self.pinned,
             "offset": self.offset,
             "size": self._size,
             "evictions": self.evictions,
             "scale": self.scale,
-            "prompt": [self.prompt_open, self._prompt_span, self._prompt_too_long],
+            **self.pins.meta(),
             **self.storage.meta(),
         }
 
@@ -474,10 +453,7 @@ class EvictingKVCache(_BaseCache):
         self.policy.load_runtime_state(meta["policy_state"])
         self.offset, self._size = meta["offset"], meta["size"]
         self.evictions, self.scale = meta["evictions"], meta["scale"]
-        # caches saved before the prompt was tracked: open only if nothing was fed yet
-        prompt_open, span, too_long = meta.get("prompt", [self.offset == 0 and self.prompt_open, None, False])
-        self.prompt_open, self._prompt_too_long = prompt_open, too_long
-        self._prompt_span = tuple(span) if span else None
+        self.pins.restore(meta, self.offset)
 
     @property
     def state(self):
@@ -495,44 +471,16 @@ class EvictingKVCache(_BaseCache):
         self.recent_queries, self.recent_query_pos = v[4:6]
 
     def feed_prompt(self, S: int) -> None:
-        """Pin the prompt as it arrives: called by the patched model before each call of ``S`` tokens.
-
-        The prompt is every token fed before the first single-token call, and that
-        token too: mlx-lm's ``generate_step`` feeds a prompt in 2,048-token chunks and
-        its last token alone (a loop that feeds the whole prompt in one call gets its
-        first generated token pinned with it, if it fits). The prompt is pinned while it
-        fits in 3/4 of the evictable room; once a chunk makes it longer it is unpinned,
-        and when it ends a warning names its whole length, once per cache.
-        """
-        if not self.prompt_open:
-            return
-        length = self.offset + S
-        if self._prompt_span in self.pinned:
-            self.pinned.remove(self._prompt_span)
-        room = self.budget - self.sinks - self.protected_window - self.slack - self.pinned_tokens
-        limit = int(room * PROMPT_PIN_SHARE)
-        closing = S == 1
-        if length > limit and not (closing and self._prompt_span):
-            self._prompt_too_long = True  # (a last token that does not fit leaves the pin as it is)
-        if not self._prompt_too_long:
-            self._prompt_span = (0, min(length, limit))
-        else:
-            self._prompt_span = None
-        if self._prompt_span:
-            self.pinned.append(self._prompt_span)
-        if closing:
-            self.prompt_open = False
-            if self._prompt_too_long:
-                warnings.warn(
-                    f"the prompt ({length} tokens) is longer than the {limit} tokens the budget lets "
-                    "mlxevict pin; it is not pinned and may be evicted: raise --budget to keep it",
-                    stacklevel=2,
-                )
+        """Pin the prompt as it arrives (:class:`~mlxevict.pins.Pins`): the patched model calls this
+        before each call of ``S`` tokens; a prompt too long to pin is named once, when it ends."""
+        room = self.budget - self.sinks - self.protected_window - self.slack
+        warning = self.pins.feed_prompt(self.offset, S, room)
+        if warning:
+            warnings.warn(warning, stacklevel=2)
 
     def pin(self, start: int, end: int) -> None:
         """Always keep absolute positions ``[start, end)`` from now on (e.g. the user prompt)."""
-        (span,) = check_pinned([(start, end)])
         validate_budget(
-            self.budget, self.sinks, self.protected_window, self.slack, self.pinned_tokens + end - start
+            self.budget, self.sinks, self.protected_window, self.slack, self.pinned_tokens + max(0, end - start)
         )
-        self.pinned.append(span)
+        self.pins.add(start, end)

@@ -298,7 +298,7 @@ def test_a_prompt_too_long_to_pin_is_named_by_its_whole_length():
     with pytest.warns(UserWarning, match=r"prompt \(100 tokens\) is longer than the 63 tokens") as seen:
         list(generate_step(random_tokens(100), model, prompt_cache=caches, max_tokens=40, prefill_step_size=16))
     assert len([w for w in seen if "prompt" in str(w.message)]) == len(caches)  # once per cache, at the end
-    assert caches[0].pinned == [] and not caches[0].prompt_open
+    assert caches[0].pinned == [] and not caches[0].pins.prompt_open
 
 
 @pytest.mark.parametrize(("budget", "anchored", "others"), [(64, 16, 8), (128, 32, 16), (1024, 64, 32)])
