@@ -12,6 +12,7 @@
 import mlx_lm.models.cache as _mlx_lm_cache
 
 from .cache import DEFAULT_BUDGET, EvictingKVCache
+from .load import load_cache
 from .make import make_cache, pin
 from .patch import SUPPORTED_ARCHITECTURES, patch, patched, unpatch
 from .policies import DEFAULT_POLICY, Policy, policy_names
@@ -38,6 +39,7 @@ __all__ = [
     "patch",
     "patched",
     "unpatch",
+    "load_cache",
     "DEFAULT_BUDGET",
     "DEFAULT_POLICY",
     "SUPPORTED_ARCHITECTURES",

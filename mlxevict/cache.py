@@ -1,11 +1,13 @@
 """``EvictingKVCache``: fixed-capacity KV storage that a policy keeps under a budget.
 
 The cache speaks mlx-lm's cache protocol, so any supported model takes it in
-place of ``KVCache``. Storage is preallocated once at ``budget`` slots; when new
-tokens would not fit, the policy's scores pick the entries to keep, and the
-kept entries are gathered to the front in time order (compiled kernels). So KV
-memory never exceeds ``budget`` entries and shapes stay fixed while the model
-thinks. ``offset`` stays the absolute position (RoPE needs it); ``size()`` is
+place of ``KVCache``. Storage grows in steps (256 slots, as ``KVCache`` does, or
+a sixteenth of the budget for budgets over 4096) up to ``budget`` slots, then
+stays flat: when new tokens would not fit in the budget, the policy's scores pick
+the entries to keep, and the kept entries are gathered to the front in time order
+(compiled kernels). So KV memory never exceeds a full cache's by more than one
+step, nor ``budget`` entries, and shapes change only at those few fixed
+capacities (the compiled kernels trace once per capacity, not per step). ``offset`` stays the absolute position (RoPE needs it); ``size()`` is
 the number of stored entries.
 
 Eviction happens *before* a chunk is appended, using statistics the policy
@@ -22,15 +24,18 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_causal_mask
 
+from .dense_storage import DenseStorage, fit_slots
 from .kernels import compact_compiled, priority_compiled
+from .pins import Pins
 from .policies import Policy, make_policy
+from .quantized_storage import QuantizedStorage
 
 DEFAULT_BUDGET = 2048
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 32  # at most; never more than budget // 8 unless asked (or the policy says otherwise)
 DEFAULT_SLACK = 16  # at most; never more than budget // 16 unless asked
-GROW_STEP = 256
-PROMPT_PIN_SHARE = 0.75  # most of the evictable room a pinned prompt may take
+GROW_STEP = 256  # slots storage grows by, as mlx-lm's KVCache
+MAX_CAPACITIES = 16  # most capacities an evicting cache passes through: bounds the kernels' traces
 PENDING_LIMIT = 64  # queued query tokens before statistics are folded in anyway
 PROMPT_MODES = ("evict", "compress")
 
@@ -45,6 +50,16 @@ def default_window(budget: int, policy: Policy | None = None) -> int:
 
 def default_slack(budget: int) -> int:
     return min(DEFAULT_SLACK, budget // 16)
+
+
+def grow_step(budget: int) -> int:
+    """Slots an evicting cache of ``budget`` grows by: ``GROW_STEP``, or more so it grows at most 16 times."""
+    return GROW_STEP * max(1, -(-budget // (GROW_STEP * MAX_CAPACITIES)))
+
+
+def storage_from_meta(meta: dict[str, Any]) -> Any:
+    """The storage component a saved cache's metadata describes (quantized ones save ``kv_bits``)."""
+    return DenseStorage() if meta.get("kv_bits") is None else QuantizedStorage.from_meta(meta)
 
 
 def check_budget(budget: int) -> None:
@@ -67,19 +82,21 @@ def validate_budget(budget: int, sinks: int, window: int, slack: int, pinned_tok
         )
 
 
-def fit_slots(x: mx.array, capacity: int, fill) -> mx.array:
-    """``x`` ``(B, H, C, ...)`` cut or padded with ``fill`` to ``capacity`` slots."""
-    if x.shape[2] >= capacity:
-        return x[:, :, :capacity]
-    pad = mx.full((*x.shape[:2], capacity - x.shape[2], *x.shape[3:]), fill, x.dtype)
-    return mx.concatenate([x, pad], axis=2)
+NOT_PATCHED = (
+    "this cache is driven by a model that mlxevict has not patched: its attention would not feed the "
+    "policy (or read quantized storage), and the output would silently differ; call mlxevict.patch(model) "
+    "first, or load a saved cache with mlxevict.load_cache(path, model)"
+)
 
 
 class EvictingKVCache(_BaseCache):
     """A KV cache that holds at most ``budget`` entries, evicting by a policy.
 
-    Entries are stored in the model's dtype; ``make_cache(..., kv_bits=8)`` builds
-    :class:`mlxevict.quantized.QuantizedEvictingKVCache`, which stores them in 8 or 4 bits.
+    How entries are held is its ``storage`` component: :class:`~mlxevict.dense_storage.DenseStorage`
+    (the model's dtype, the default) or :class:`~mlxevict.quantized_storage.QuantizedStorage`
+    (``make_cache(..., kv_bits=8)``, which builds a
+    :class:`~mlxevict.quantized.QuantizedEvictingKVCache`). The cache decides which
+    slots are kept; the storage holds them.
 
     Args:
         policy: a registry name (``"entropy"``, ``"uncertainty"``, ``"window"``,
@@ -95,10 +112,9 @@ class EvictingKVCache(_BaseCache):
             flat); ``"compress"`` holds the whole prompt and compresses it to the
             budget when decoding starts (kvpress style, needs prompt-sized memory).
         pinned: absolute ``(start, end)`` spans always kept, e.g. the user prompt.
+        storage: a fresh storage component; default :class:`DenseStorage`.
         policy_kwargs: arguments for the policy class.
     """
-
-    kv_bits: int | None = None  # storage bits; None: the model's dtype
 
     def __init__(
         self,
@@ -110,31 +126,37 @@ class EvictingKVCache(_BaseCache):
         slack: int | None = None,
         prompt_mode: str = "evict",
         pinned: Sequence[tuple[int, int]] = (),
+        storage: DenseStorage | QuantizedStorage | None = None,
         **policy_kwargs: Any,
     ):
         self.policy_name = policy if isinstance(policy, str) else policy.name
         self.policy = make_policy(policy, **policy_kwargs) if isinstance(policy, str) else policy
         if prompt_mode not in PROMPT_MODES:
             raise ValueError(f"prompt_mode={prompt_mode!r}; choose one of {PROMPT_MODES}")
-        self.pinned: list[tuple[int, int]] = [(int(a), int(b)) for a, b in pinned]
+        self.pins = Pins(pinned, pin_prompt=bool(self.policy.pins_prompt))
         check_budget(budget)
         window = default_window(budget, self.policy) if window is None else window
         slack = default_slack(budget) if slack is None else slack
         validate_budget(budget, sinks, window, slack, self.pinned_tokens)
+        self.storage = DenseStorage() if storage is None else storage
+        self.storage.check_budget(budget, sinks + self.pinned_tokens + slack, window)
         self.budget, self.sinks, self.window, self.slack = budget, sinks, window, slack
         self.prompt_mode = prompt_mode
+        self.step = grow_step(budget) if self.policy.evicts else GROW_STEP
         # Slots appended since positions/stats were last read: (first slot, first position,
         # count). Written in one go on the next read, not one scatter per token.
         self._fresh: tuple[int, int, int] | None = None
         self._positions: mx.array | None = None
         self._stats: mx.array | None = None
-        self.keys = self.values = None
         self.recent_queries = self.recent_query_pos = None
         self._pending_queries: list[mx.array] = []
         self._pending_start = 0  # position of the first queued query (queued queries are consecutive)
         self._pending_entropy: list[mx.array] = []
         self.scale = 1.0
         self.offset = 0  # absolute position: tokens seen so far
+        # Set by the patched model's call (mlxevict.patch); a cache loaded or built apart from a
+        # patched model refuses to run until one drives it.
+        self.model_patched = False
         self._size = 0  # entries stored
         self.evictions = 0
         self._last_budget = budget
@@ -178,12 +200,17 @@ class EvictingKVCache(_BaseCache):
 
     @property
     def protected_window(self) -> int:
-        """The newest positions an eviction never drops."""
-        return self.window
+        """The newest positions an eviction never drops (the storage may hold a window of its own)."""
+        return max(self.window, self.storage.protected)
 
     @property
     def pinned_tokens(self) -> int:
-        return sum(max(0, b - a) for a, b in self.pinned)
+        return self.pins.tokens
+
+    @property
+    def pinned(self) -> list[tuple[int, int]]:
+        """Absolute ``(start, end)`` spans always kept (the prompt's among them)."""
+        return self.pins.spans
 
     @property
     def max_chunk(self) -> int:
@@ -196,22 +223,22 @@ class EvictingKVCache(_BaseCache):
         return self._size
 
     def empty(self) -> bool:
-        return self.keys is None
+        return self.storage.empty()
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
+        return self.storage.nbytes
 
     def is_trimmable(self) -> bool:
         return False
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store ``(B, H, S, D)`` keys/values for ``S`` new tokens; return all kept entries."""
+        if not self.model_patched:
+            raise ValueError(NOT_PATCHED)
         B, H, S, D = keys.shape
-        if self.keys is None:
-            self._allocate(B, H, D, values.shape[-1], keys.dtype)
+        if self.storage.empty():
+            self._allocate(B, H, D, values.shape[-1], keys.dtype, self._capacity_for(S))
         elif self.dense_shape[:3] != (B, H, D):
             b, h, d = self.dense_shape[:3]
             raise ValueError(
@@ -226,7 +253,7 @@ class EvictingKVCache(_BaseCache):
         if self._size + S > self.capacity:
             self._grow(self._size + S)
         start, end = self._size, self._size + S
-        self._write(keys, values, start)
+        self.storage.write(keys, values, start)
         if self._fresh is None:
             self._fresh = (start, self.offset, S)
         else:
@@ -234,8 +261,8 @@ class EvictingKVCache(_BaseCache):
         self._size = end
         self.offset += S
         if self.prompt_mode == "compress" and S == 1 and self.policy.evicts and self.capacity > self.budget:
-            self._shrink()
-        return self._fetch()
+            self._resize(self.budget)  # the prompt is compressed: back to a fixed capacity
+        return self.storage.fetch(self._size)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """The causal mask for a chunk of ``N`` queries over the entries kept after this step."""
@@ -304,8 +331,8 @@ class EvictingKVCache(_BaseCache):
         if not self.policy.evicts or (self.prompt_mode == "compress" and S > 1):
             return None
         compressing = self.prompt_mode == "compress" and self._size > self.budget
-        if not compressing and self._size + S <= self.capacity:
-            return None
+        if not compressing and self._size + S <= self.budget:
+            return None  # storage grows (if need be) instead
         if S > self.max_chunk:
             raise ValueError(
                 f"a chunk of {S} tokens does not fit budget={self.budget} with sinks={self.sinks}, "
@@ -328,53 +355,58 @@ class EvictingKVCache(_BaseCache):
         self.evictions += 1
         self._size = n_keep
 
-    # ---- storage (QuantizedEvictingKVCache overrides these) ----------------
+    # ---- storage: the component holds the entries, the cache the per-slot bookkeeping ----
+    keys = property(lambda self: self.storage.keys, doc="The storage's keys (``None`` before the first token).")
+    values = property(lambda self: self.storage.values, doc="The storage's values.")
+    kv_bits = property(lambda self: self.storage.kv_bits, doc="Storage bits; ``None``: the model's dtype.")
+    # Quantized storage's settings and window (``None`` for dense storage), as caches of 0.1 had them.
+    kv_group_size = property(lambda self: getattr(self.storage, "kv_group_size", None))
+    full_precision_window = property(lambda self: getattr(self.storage, "full_precision_window", None))
+    window_bits = property(lambda self: getattr(self.storage, "window_bits", None))
+    kv_rotate = property(lambda self: getattr(self.storage, "kv_rotate", False))
+    key_bits = property(lambda self: getattr(self.storage, "key_bits", None))
+    value_bits = property(lambda self: getattr(self.storage, "value_bits", None))
+    rotation = property(lambda self: getattr(self.storage, "rotation", None))
+    n_full = property(lambda self: getattr(self.storage, "n_full", 0))
+    fp_keys = property(lambda self: getattr(self.storage, "fp_keys", None))
+    fp_values = property(lambda self: getattr(self.storage, "fp_values", None))
+
     @property
     def dense_keys(self) -> mx.array:
         """``(B, H, C, D)`` keys in the model's dtype, slot by slot: what policies score."""
-        return self.keys
+        return self.storage.dense_keys(self._size, self.capacity)
 
     @property
     def dense_shape(self) -> tuple[int, int, int, int, mx.Dtype]:
         """``(B, H, D, Dv, dtype)`` of the keys and values as the model made them."""
-        B, H, _, D = self.keys.shape
-        return B, H, D, self.values.shape[3], self.keys.dtype
-
-    def _write(self, keys: mx.array, values: mx.array, start: int) -> None:
-        """Store ``(B, H, S, D)`` keys/values in slots ``[start, start + S)``."""
-        S = keys.shape[2]
-        self.keys[..., start : start + S, :] = keys
-        self.values[..., start : start + S, :] = values
-
-    def _fetch(self):
-        """What attention reads: the kept keys and values, ``(B, H, size, D)`` each."""
-        return self.keys[..., : self._size, :], self.values[..., : self._size, :]
+        return self.storage.shape
 
     def _slots(self) -> list[mx.array]:
         """Every per-slot array, ``positions`` first: what compaction gathers."""
-        return [self.positions, self.keys, self.values, self.stats]
+        return [self.positions, *self.storage.slots(), self.stats]
 
     def _set_slots(self, arrays: list[mx.array]) -> None:
-        self.positions, self.keys, self.values, self.stats = arrays
+        self.positions, self.stats = arrays[0], arrays[-1]
+        self.storage.set_slots(arrays[1:-1])
 
-    def _allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype) -> None:
-        capacity = self.budget if self.policy.evicts else GROW_STEP
-        self.keys = mx.zeros((B, H, capacity, D), dtype)
-        self.values = mx.zeros((B, H, capacity, Dv), dtype)
+    def _allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype, capacity: int) -> None:
+        self.storage.allocate(B, H, D, Dv, dtype, capacity)
         self.positions = mx.full((B, H, capacity), -1, mx.int32)
         self.stats = mx.zeros((B, H, capacity), mx.float32)
 
     def _resize(self, capacity: int) -> None:
-        self.keys, self.values = fit_slots(self.keys, capacity, 0), fit_slots(self.values, capacity, 0)
+        self.storage.resize(capacity)
         self.positions, self.stats = fit_slots(self.positions, capacity, -1), fit_slots(self.stats, capacity, 0)
 
-    def _grow(self, needed: int) -> None:
-        """Only ``full`` and a prompt being held for compression ever grow."""
-        self._resize(-(-needed // GROW_STEP) * GROW_STEP)
+    def _capacity_for(self, needed: int) -> int:
+        """Slots to hold ``needed`` entries: whole steps, and no more than the budget while it holds them."""
+        capacity = -(-needed // self.step) * self.step
+        if self.policy.evicts and needed <= self.budget:
+            capacity = min(capacity, self.budget)
+        return capacity
 
-    def _shrink(self) -> None:
-        """After the prompt was compressed, return to a fixed ``budget`` capacity."""
-        self._resize(self.budget)
+    def _grow(self, needed: int) -> None:
+        self._resize(self._capacity_for(needed))
 
     # ---- save / load ------------------------------------------------------
     @property
@@ -396,16 +428,18 @@ class EvictingKVCache(_BaseCache):
             "window": self.window,
             "slack": self.slack,
             "prompt_mode": self.prompt_mode,
-            "pinned": self.pinned,
             "offset": self.offset,
             "size": self._size,
             "evictions": self.evictions,
             "scale": self.scale,
+            **self.pins.meta(),
+            **self.storage.meta(),
         }
 
-    def _restore(self, meta: dict[str, Any], **storage: Any) -> None:
-        """Rebuild from :meth:`_meta` (``storage``: the subclass's constructor arguments)."""
-        self.__init__(
+    def _restore(self, meta: dict[str, Any]) -> None:
+        """Rebuild from :meth:`_meta`, the storage too (whichever class loads it)."""
+        EvictingKVCache.__init__(
+            self,
             meta["policy"],
             meta["budget"],
             sinks=meta["sinks"],
@@ -413,46 +447,40 @@ class EvictingKVCache(_BaseCache):
             slack=meta["slack"],
             prompt_mode=meta["prompt_mode"],
             pinned=[tuple(p) for p in meta["pinned"]],
-            **storage,
+            storage=storage_from_meta(meta),
             **meta["policy_config"],
         )
         self.policy.load_runtime_state(meta["policy_state"])
         self.offset, self._size = meta["offset"], meta["size"]
         self.evictions, self.scale = meta["evictions"], meta["scale"]
+        self.pins.restore(meta, self.offset)
 
     @property
     def state(self):
         # mlx-lm's save_prompt_cache stores only ``state``, so the metadata rides along.
+        # (keys, values, positions, stats, recent queries, their positions, metadata): the layout of 0.1.
         self._flush()
-        arrays = (self.keys, self.values, self.positions, self.stats)
         queries = (self.recent_queries, self.recent_query_pos)
-        return (*arrays, *queries, self.meta_state)
+        return (*self.storage.state, self.positions, self.stats, *queries, self.meta_state)
 
     @state.setter
     def state(self, v) -> None:
-        self.meta_state = v[6]
-        self.keys, self.values, self.positions, self.stats = v[:4]
+        self.meta_state = v[6]  # rebuilds the storage its metadata names
+        self.storage.state = v[0], v[1]
+        self.positions, self.stats = v[2], v[3]
         self.recent_queries, self.recent_query_pos = v[4:6]
 
-    def pin_prompt(self, length: int) -> None:
-        """Pin the first ``length`` tokens (the prompt) if they fit in 3/4 of the evictable room.
-
-        A longer prompt is not pinned, and a warning says so once per cache.
-        """
-        room = self.budget - self.sinks - self.protected_window - self.slack - self.pinned_tokens
-        limit = int(room * PROMPT_PIN_SHARE)
-        if length <= limit:
-            self.pin(0, length)
-        else:
-            warnings.warn(
-                f"the prompt ({length} tokens) is longer than the {limit} tokens the budget lets "
-                "mlxevict pin; it is not pinned and may be evicted: raise --budget to keep it",
-                stacklevel=2,
-            )
+    def feed_prompt(self, S: int) -> None:
+        """Pin the prompt as it arrives (:class:`~mlxevict.pins.Pins`): the patched model calls this
+        before each call of ``S`` tokens; a prompt too long to pin is named once, when it ends."""
+        room = self.budget - self.sinks - self.protected_window - self.slack
+        warning = self.pins.feed_prompt(self.offset, S, room)
+        if warning:
+            warnings.warn(warning, stacklevel=2)
 
     def pin(self, start: int, end: int) -> None:
         """Always keep absolute positions ``[start, end)`` from now on (e.g. the user prompt)."""
         validate_budget(
-            self.budget, self.sinks, self.protected_window, self.slack, self.pinned_tokens + end - start
+            self.budget, self.sinks, self.protected_window, self.slack, self.pinned_tokens + max(0, end - start)
         )
-        self.pinned.append((int(start), int(end)))
+        self.pins.add(start, end)

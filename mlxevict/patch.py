@@ -4,8 +4,8 @@ mlx-lm's attention hands the cache only keys and values, but eviction needs the
 queries. Model files import ``scaled_dot_product_attention`` by name, so the
 patch replaces that name in the model's own module with a function that calls
 the original and then shows the queries to any :class:`EvictingKVCache`
-(for quantized storage, it runs :func:`mlxevict.quantized.quantized_attention` instead
-of the original).
+(for quantized storage, the cache's storage component runs
+:func:`mlxevict.quantized_attention.quantized_attention` instead of the original).
 The model's class is swapped for a subclass whose ``__call__`` splits long
 prompts into chunks the budget can hold and feeds the prediction entropy
 ``H(p_t)`` to the caches. Nothing happens at import; :func:`unpatch` (or leaving
@@ -24,7 +24,6 @@ import mlx.nn as nn
 
 from .cache import EvictingKVCache
 from .kernels import prediction_entropy_compiled
-from .quantized import QuantizedEvictingKVCache, quantized_attention
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 STATS_CHUNK = 256  # most queries per call, bounds the (S x C) attention statistics
@@ -53,24 +52,13 @@ def check_supported(model: nn.Module) -> None:
 
 def _evicting_sdpa(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, QuantizedEvictingKVCache):
-            if sinks is not None:
-                raise ValueError("quantized KV storage does not support attention sinks; use kv_bits=None")
-            output = quantized_attention(
-                queries,
-                keys,
-                values,
-                scale,
-                mask,
-                group_size=cache.kv_group_size,
-                bits=cache.kv_bits,
-                rotation=cache.rotation,
-                window_bits=cache.window_bits,
-            )
-        else:
+        if not isinstance(cache, EvictingKVCache):
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        # The storage reads its own entries (quantized), or leaves them to the model's attention.
+        output = cache.storage.attend(queries, keys, values, scale, mask, sinks)
+        if output is None:
             output = original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        if isinstance(cache, EvictingKVCache):
-            cache.observe(queries, scale)
+        cache.observe(queries, scale)
         return output
 
     setattr(scaled_dot_product_attention, _ORIGINAL_SDPA, original)
@@ -90,8 +78,8 @@ def _chunked_call(self, inputs: mx.array, cache=None, **kwargs):
     if not caches:
         return base_call(inputs, cache=cache, **kwargs)
     for c in caches:
-        if c.policy.pins_prompt and c.offset == 0:
-            c.pin_prompt(inputs.shape[1])
+        c.model_patched = True
+        c.feed_prompt(inputs.shape[1])
     step = min(STATS_CHUNK, *(c.max_chunk for c in caches))
     wants_entropy = [c for c in caches if c.policy.uses_prediction_entropy]
     embeddings = kwargs.pop("input_embeddings", None)

@@ -180,6 +180,8 @@ def test_uncertainty_budget_follows_prediction_entropy():
     unsure = make_cache(model, "uncertainty", budget=40, window=4, slack=0, min_fraction=0.5)
     tokens = random_tokens(60)
     for caches, entropy in ((sure, 0.0), (unsure, 30.0)):
+        for c in caches:  # the model's own forward does not mark the caches as driven by a patched model
+            c.model_patched = True
         for t in range(60):
             forward(model, tokens[None, t : t + 1], cache=caches)
             for c in caches:  # a controlled H(p_t) instead of the model's own
@@ -205,6 +207,10 @@ def test_full_policy_grows_like_kvcache():
         (dict(policy="entropyy"), "unknown policy 'entropyy'"),
         (dict(window=-1), "window=-1"),
         (dict(prompt_mode="later"), "prompt_mode='later'"),
+        (dict(pinned=[(5, 2)]), r"pinned span \(5, 2\) .* 0 <= start < end"),
+        (dict(pinned=[(-1, 2)]), r"pinned span \(-1, 2\)"),
+        (dict(pinned=[(1.5, 2)]), r"pinned span \(1.5, 2\)"),
+        (dict(pinned=[3]), r"pinned span 3 "),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, message):
@@ -213,9 +219,10 @@ def test_bad_arguments_raise_clear_errors(kwargs, message):
 
 
 def test_cache_reused_with_another_model_is_refused():
-    caches = make_cache(tiny_model("llama"), "window", budget=32)
-    tiny_model("llama")(random_tokens(4)[None], cache=caches)
-    other = tiny_model("llama", num_key_value_heads=4)
+    model = tiny_model("llama")
+    caches = make_cache(model, "window", budget=32)
+    model(random_tokens(4)[None], cache=caches)
+    other = mlxevict.patch(tiny_model("llama", num_key_value_heads=4))
     with pytest.raises(ValueError, match="made for another model"):
         other(random_tokens(4)[None], cache=caches)
 
@@ -269,8 +276,29 @@ def test_default_says_when_the_prompt_is_too_long_to_pin():
     model = tiny_model("llama")
     caches = make_cache(model, "default", budget=64)
     with pytest.warns(UserWarning, match=r"prompt \(50 tokens\) .* not pinned"):
-        model(random_tokens(50)[None], cache=caches)
+        list(generate_step(random_tokens(50), model, prompt_cache=caches, max_tokens=2))
     assert caches[0].pinned == []
+
+
+def test_the_prompt_is_pinned_whole_however_generate_step_chunks_it():
+    """Issue 15: mlx-lm feeds a prompt in prefill chunks; the pin must see all of them."""
+    model = tiny_model("llama")
+    caches = make_cache(model, "default", budget=128)  # pins prompts of up to 63 tokens
+    steps = generate_step(random_tokens(60), model, prompt_cache=caches, max_tokens=150, prefill_step_size=16)
+    assert len(list(steps)) == 150
+    assert caches[0].pinned == [(0, 60)] and mlxevict.cache_stats(caches).evicted > 50
+    for cache in caches:
+        for head in cache.positions[0].tolist():
+            assert set(range(60)) <= set(head)
+
+
+def test_a_prompt_too_long_to_pin_is_named_by_its_whole_length():
+    model = tiny_model("llama")
+    caches = make_cache(model, "default", budget=128)
+    with pytest.warns(UserWarning, match=r"prompt \(100 tokens\) is longer than the 63 tokens") as seen:
+        list(generate_step(random_tokens(100), model, prompt_cache=caches, max_tokens=40, prefill_step_size=16))
+    assert len([w for w in seen if "prompt" in str(w.message)]) == len(caches)  # once per cache, at the end
+    assert caches[0].pinned == [] and not caches[0].pins.prompt_open
 
 
 @pytest.mark.parametrize(("budget", "anchored", "others"), [(64, 16, 8), (128, 32, 16), (1024, 64, 32)])
@@ -282,3 +310,52 @@ def test_default_keeps_a_quarter_of_the_budget_recent(budget, anchored, others):
     # The full-precision window of quantized storage does not follow the policy's window.
     quantized = make_cache(model, "default", budget=budget, kv_bits=8, kv_group_size=32)[0]
     assert quantized.full_precision_window == others
+
+
+def test_pin_refuses_an_empty_span():
+    caches = make_cache(tiny_model("llama", layers=1), "default", budget=64)
+    with pytest.raises(ValueError, match=r"pinned span \(5, 2\)"):
+        mlxevict.pin(caches, 5, 2)
+    assert caches[0].pinned == []
+
+
+def test_a_reloaded_cache_refuses_an_unpatched_model(tmp_path):
+    """Issue 17: under a model mlxevict has not patched, a reloaded cache silently diverged."""
+    model = tiny_model("llama")
+    caches = make_cache(model, "h2o", budget=24, window=4, slack=2)
+    tokens = random_tokens(40)
+    run_chunks(model, caches, tokens, [12] + [1] * 8)
+    path = tmp_path / "cache.safetensors"
+    save_prompt_cache(str(path), caches)
+    unpatched = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"not patched.*mlxevict.patch\(model\)"):
+        unpatched(tokens[None, 20:21], cache=load_prompt_cache(str(path)))
+    loaded = mlxevict.load_cache(path, unpatched)  # patches the model it is given
+    expected = run_chunks(model, caches, tokens[20:], [1] * 20)
+    assert mx.allclose(run_chunks(unpatched, loaded, tokens[20:], [1] * 20), expected, atol=1e-5).item()
+
+
+@pytest.mark.parametrize(
+    "other, message",
+    [
+        (dict(head_dim=32), "2 kv-heads of dim 16 but the model has 2 of dim 32"),
+        (dict(num_key_value_heads=4), "2 kv-heads of dim 16 but the model has 4"),
+        (dict(layers=3), "2 layers but the model has 3"),
+    ],
+)
+def test_load_cache_refuses_another_model(tmp_path, other, message):
+    model = tiny_model("llama")
+    caches = make_cache(model, "window", budget=32)
+    run_chunks(model, caches, random_tokens(10), [10])
+    save_prompt_cache(str(tmp_path / "c.safetensors"), caches)
+    with pytest.raises(ValueError, match=message):
+        mlxevict.load_cache(tmp_path / "c.safetensors", tiny_model("llama", **other))
+
+
+def test_load_cache_names_a_file_that_is_not_a_cache(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    mx.save_safetensors(str(weights), {"w": mx.zeros((2, 2))})
+    with pytest.raises(ValueError, match="is not a saved prompt cache"):
+        mlxevict.load_cache(weights, tiny_model("llama"))
+    with pytest.raises(ValueError, match="does not exist"):
+        mlxevict.load_cache(tmp_path / "missing.safetensors", tiny_model("llama"))

@@ -77,3 +77,51 @@ def test_saved_cache_continues_with_identical_tokens(smollm, policy, tmp_path):
     again, _ = greedy(model, last, caches, 30)
     reloaded, _ = greedy(model, last, loaded, 30)
     assert reloaded == again
+
+
+RELOAD = """
+import json, sys
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import load_prompt_cache
+import mlxevict
+
+model_path, cache_path, last, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+model, _ = load(model_path)
+try:  # mlx-lm's own loader, then an unpatched model: refused with one clear line
+    model(mx.array([[last]]), cache=load_prompt_cache(cache_path))
+    refused = None
+except ValueError as e:
+    refused = str(e)
+caches = mlxevict.load_cache(cache_path, model)
+steps = generate_step(mx.array([last]), model, prompt_cache=caches, max_tokens=n)
+print(json.dumps({"refused": refused, "tokens": [t for (t, _), _ in zip(steps, range(n))]}))
+"""
+
+
+def test_a_cache_saved_in_one_process_continues_identically_in_another(smollm, smollm_path, tmp_path):
+    """Issue 17: save, then load and continue greedy generation in a fresh process."""
+    import json
+    import subprocess
+    import sys
+
+    from tiny_models import tiny_model
+
+    model, _, prompt = smollm
+    caches = make_cache(model, "default", budget=64)
+    first, _ = greedy(model, prompt, caches, 40)
+    path = tmp_path / "cache.safetensors"
+    save_prompt_cache(str(path), caches)
+    expected, _ = greedy(model, mx.array(first[-1:]), caches, 60)
+    assert mlxevict.cache_stats(caches).evicted > 0
+    run = subprocess.run(
+        [sys.executable, "-c", RELOAD, str(smollm_path), str(path), str(first[-1]), "60"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "mlxevict.patch(model)" in result["refused"]
+    assert result["tokens"] == expected
+    with pytest.raises(ValueError, match="made for another model"):
+        mlxevict.load_cache(path, tiny_model("llama", layers=30, head_dim=32))

@@ -459,7 +459,7 @@ def test_acceptance_a_memory_budget_answers_in_5_3_bits_within_its_bytes(capsys,
     assert result["cache"]["kv_bits"] == [5, 3] and result["cache"]["nbytes"] <= 1_000_000
     plain = json.loads(cli(capsys, *args, "--budget", "1MB", "--kv-bits", "none")[1])["cache"]
     assert plain["kv_bits"] is None and plain["nbytes"] <= 1_000_000
-    assert result["cache"]["capacity"] > 4 * plain["capacity"]  # float32 model: 46,080 vs 7,200 B a token
+    assert result["cache"]["budget"] > 4 * plain["budget"]  # float32 model: 46,080 vs 7,200 B a token
 
 
 # ---- quantized storage (--kv-bits) ---------------------------------------------------------------------
@@ -481,7 +481,7 @@ def test_generate_with_kv_bits(capsys, tiny32):
         rc, out, _ = cli(capsys, *args, "--json", *(("--kv-bits", bits, "--kv-group-size", "32") if bits else ()))
         results[bits] = json.loads(out)["cache"]
         assert rc == 0 and results[bits]["kv_bits"] == {None: None, "8": 8, "4": 4, "5,3": [5, 3]}[bits]
-        assert results[bits]["kept"] <= results[bits]["capacity"] == 64 and results[bits]["evicted"] > 0
+        assert results[bits]["kept"] <= results[bits]["budget"] == 64 and results[bits]["evicted"] > 0
     assert results[None]["nbytes"] > results["8"]["nbytes"] > results["4"]["nbytes"] == results["5,3"]["nbytes"]
 
 
@@ -493,11 +493,11 @@ def test_a_memory_budget_stores_keys_in_5_bits_values_in_3_and_holds_to_its_byte
         caches[bits] = json.loads(cli(capsys, *args, *extra)[1])["cache"]
         assert caches[bits]["nbytes"] <= 100_000, bits  # the window counted at its own size
     assert caches[None]["kv_bits"] == [5, 3] and caches["none"]["kv_bits"] is None
-    assert caches["none"]["capacity"] == 100_000 // 1024  # 2 layers x 2 kv-heads x 32 x 2 x float32
+    assert caches["none"]["budget"] == 100_000 // 1024  # 2 layers x 2 kv-heads x 32 x 2 x float32
     # keys 20 B + scale and bias 8, values 12 + 8: 192 B a token, the newest 32 in 8 bits (320 B)
-    assert caches[None]["capacity"] == (100_000 - 32 * 320) // 192 + 32
+    assert caches[None]["budget"] == (100_000 - 32 * 320) // 192 + 32
     # --kv-bits 4 keeps its window in full precision (1024 B), so fewer tokens fit than under the default
-    assert caches["none"]["capacity"] < caches["4"]["capacity"] < caches[None]["capacity"]
+    assert caches["none"]["budget"] < caches["4"]["budget"] < caches[None]["budget"]
 
 
 @pytest.mark.parametrize("memory, bits", [("3MB", None), ("1MB", 8), ("100KB", [5, 3])])
@@ -506,7 +506,7 @@ def test_a_memory_budget_that_holds_the_whole_context_keeps_the_finest_storage(c
     args = ("generate", tiny32, "-p", "hi", "--budget", memory, "--max-tokens", "2", "--json")
     cache = json.loads(cli(capsys, *args)[1])["cache"]
     assert cache["kv_bits"] == bits and cache["nbytes"] <= parse_size(memory)
-    assert (cache["capacity"] == 2048) == (bits != [5, 3])
+    assert (cache["budget"] == 2048) == (bits != [5, 3])
 
 
 def test_a_memory_budget_too_small_for_one_token_says_what_a_token_costs(capsys, tiny32):
@@ -519,14 +519,16 @@ def test_a_budget_in_tokens_stays_in_the_model_dtype_unless_told(capsys, tiny32)
     args = ("generate", tiny32, "-p", "hi", "--budget", "64", "--max-tokens", "2", "--json")
     assert json.loads(cli(capsys, *args)[1])["cache"]["kv_bits"] is None
     cache = json.loads(cli(capsys, *args, "--kv-bits", "5,3", "--kv-group-size", "32")[1])["cache"]
-    assert cache["kv_bits"] == [5, 3] and cache["capacity"] == 64
+    assert cache["kv_bits"] == [5, 3] and cache["budget"] == 64
 
 
 def test_info_plans_a_memory_budget_as_generate_runs_it(capsys, tiny32):
     plan = json.loads(cli(capsys, "info", tiny32, "--json", "--budget", "100KB")[1])
     run = ("generate", tiny32, "-p", "hi", "--budget", "100KB", "--max-tokens", "2", "--json")
     cache = json.loads(cli(capsys, *run)[1])
-    assert plan["budget"] == cache["cache"]["capacity"] and plan["budget_kv_nbytes"] == cache["cache"]["nbytes"]
+    assert plan["budget"] == cache["cache"]["budget"]
+    # storage grows to the planned bytes: a 2-token answer holds less
+    assert 0 < cache["cache"]["nbytes"] <= plan["budget_kv_nbytes"]
     assert plan["budget_kv_bits"] == [5, 3] and plan["auto_kv_bits"] is None  # auto holds the context in float32
     text = cli(capsys, "info", tiny32, "--budget", "100KB")[1]
     assert f"--budget {plan['budget']} tokens holds 97.6 KiB of KV (5/3-bit)" in text

@@ -195,7 +195,7 @@ def use_color(stream: TextIO) -> bool:
 
 
 def stats_line(finished: Finished) -> str:
-    """One line: tokens, tok/s, KV kept/capacity, evicted, peak memory, why it stopped."""
+    """One line: tokens, tok/s, KV kept/budget, evicted, peak memory, why it stopped."""
     p = finished.progress
     prompt = f"prompt {p.prompt_tokens} tokens, {p.prompt_tokens_per_s:.1f} tok/s"
     parts = [f"{p.generated_tokens} tokens, {p.tokens_per_s:.1f} tok/s ({prompt})"]
@@ -203,7 +203,7 @@ def stats_line(finished: Finished) -> str:
         c = p.cache
         held = f"{format_bytes(c.nbytes)} vs {format_bytes(c.full_nbytes)} full"
         held += f" ({bits_label(c.kv_bits)})" if c.kv_bits else ""
-        parts.append(f"KV kept {c.kept}/{c.capacity}, evicted {c.evicted}, {held}")
+        parts.append(f"KV kept {c.kept}/{c.budget}, evicted {c.evicted}, {held}")
     parts.append(f"peak {format_bytes(p.memory.mlx_peak)}")
     parts.append(finished.reason)
     return "[" + " | ".join(parts) + "]"

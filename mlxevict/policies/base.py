@@ -25,7 +25,7 @@ class Policy:
         observes: call :meth:`observe` with the queries seen since the last eviction.
         query_window: how many recent queries the cache keeps for :meth:`score`.
         uses_prediction_entropy: the generation side feeds ``H(p_t)`` each step.
-        pins_prompt: the first model call's tokens (the prompt) are never evicted.
+        pins_prompt: the prompt (every token before the first single-token call) is never evicted.
         recent_window: ``(cap, divisor)``: without an explicit ``window`` the cache keeps the
             ``min(cap, budget // divisor)`` newest tokens; ``None``: the cache's default.
     """

@@ -1,0 +1,83 @@
+"""Storage grows in steps up to the budget, then stays flat: never above a full cache by more than a step."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+from tiny_models import random_tokens, run_chunks, tiny_model
+
+import mlxevict
+from mlxevict import make_cache
+from mlxevict.cache import GROW_STEP, MAX_CAPACITIES, grow_step
+from mlxevict.telemetry import storage_nbytes
+
+GROUP = 32
+BUDGET = 1000  # not a multiple of the step: the last capacity is the budget itself
+STORAGES = {
+    "dtype": dict(),
+    "8-bit": dict(kv_bits=8, kv_group_size=GROUP),
+    "4-bit": dict(kv_bits=4, kv_group_size=GROUP),
+    "5/3-bit, 8-bit window": dict(kv_bits=(5, 3), kv_group_size=GROUP, window_bits=8),
+    "compress": dict(prompt_mode="compress"),
+}
+# A prompt, then chunks and single steps: 10 lengths from 60 to 1,565 tokens.
+CHUNKS = [60, 200, 1, 300, 1, 400, 1, 600, 1, 1]
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_kv_bytes_never_above_a_full_cache_plus_one_step(storage):
+    model = tiny_model("llama", layers=2, head_dim=GROUP)
+    model.set_dtype(mx.float16)
+    options = STORAGES[storage]
+    caches = make_cache(model, "default", budget=BUDGET, **options)
+    full = [KVCache() for _ in model.layers]
+    tokens = random_tokens(sum(CHUNKS))
+    quantized = {k: v for k, v in options.items() if k != "prompt_mode"}
+    budget_nbytes = storage_nbytes(model, BUDGET, **quantized)  # all layers
+    step = caches[0].step
+    assert step == GROW_STEP
+    seen, capacities = 0, set()
+    for size in CHUNKS:
+        run_chunks(model, caches, tokens[seen : seen + size], [size])
+        run_chunks(model, full, tokens[seen : seen + size], [size])
+        seen += size
+        stats = mlxevict.cache_stats(caches)
+        full_nbytes = sum(c.nbytes for c in full)  # mlx-lm's KVCache, itself grown in steps of 256
+        per_token = stats.full_nbytes // seen
+        assert stats.full_nbytes == seen * per_token
+        assert stats.nbytes <= seen * per_token + step * per_token, (seen, stats)
+        assert stats.nbytes <= full_nbytes + step * per_token
+        decoding = size == 1 or options.get("prompt_mode") != "compress"
+        if decoding:  # compress mode holds the whole prompt until decoding starts
+            assert stats.nbytes <= budget_nbytes and stats.capacity <= BUDGET
+        capacities.add(stats.capacity)
+    assert stats.kept <= BUDGET and stats.evicted > 0 and stats.nbytes == budget_nbytes
+    # the compiled kernels see few, fixed shapes: whole steps, then the budget
+    assert all(c % step == 0 or c == BUDGET for c in capacities), capacities
+    assert len(capacities) <= MAX_CAPACITIES
+
+
+def test_a_short_chat_holds_a_short_cache():
+    """Issue 18's report: budget 2048, a short chat, KV 90 MiB vs 1.8 MiB full."""
+    model = tiny_model("llama", layers=2)
+    caches = make_cache(model, "default", budget=2048)
+    run_chunks(model, caches, random_tokens(30), [20] + [1] * 10)
+    stats = mlxevict.cache_stats(caches)
+    assert stats.capacity == GROW_STEP and stats.nbytes == stats.full_nbytes * GROW_STEP // 30
+
+
+def test_a_large_budget_grows_at_most_16_times():
+    budget = 5000
+    model = tiny_model("llama", layers=1)
+    caches = make_cache(model, "window", budget=budget, window=16)
+    step = caches[0].step
+    assert step == grow_step(budget) == 2 * GROW_STEP
+    capacities, seen = set(), 0
+    tokens = random_tokens(6000)
+    while seen < tokens.size:
+        run_chunks(model, caches, tokens[seen : seen + 500], [500])
+        seen += 500
+        capacities.add(caches[0].capacity)
+    assert capacities == {*range(step, budget, step), budget}
+    assert len(capacities) <= MAX_CAPACITIES and caches[0].size() <= budget
