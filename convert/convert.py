@@ -51,7 +51,7 @@ def convert_gguf(
     progress: Progress | None = None,
     report: Report | None = None,
     marker: dict | None = None,
-    fix: str = "free some space or choose another OUT_DIR",
+    fix: str = "choose another OUT_DIR",
 ) -> Path:
     """Convert a llama or qwen2 GGUF file into an MLX model folder.
 
@@ -93,6 +93,7 @@ def convert_gguf(
     try:
         tmp = _make_build_folder(out)
     except OSError as err:
+        err.filename = None  # name OUT_DIR, not the temporary folder that could not be made
         raise os_error(err, out, fix) from None
     try:
         for note in notes if report else ():
@@ -105,6 +106,8 @@ def convert_gguf(
         _move_into_place(tmp, out, old)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if err.filename and Path(err.filename).parent == tmp:
+            err.filename = str(out / Path(err.filename).name)  # the build folder is gone: name the destination
         raise os_error(err, out, fix) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

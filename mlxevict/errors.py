@@ -27,8 +27,11 @@ def os_error(err: OSError, path: str | Path | None, fix: str) -> MlxEvictError:
     Args:
         err: the ``OSError`` raised.
         path: the file or folder being written (``err.filename`` when it names one).
-        fix: what the user should do, e.g. ``"choose another OUT_DIR"``.
+        fix: what the user should do, e.g. ``"choose another OUT_DIR"`` (a full disk adds
+            ``"free some space or "``).
     """
     where = err.filename or path or "?"
     what = _OS_FAULTS.get(err.errno, err.strerror or str(err))
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = f"free some space or {fix}"
     return MlxEvictError(f"cannot write {where}: {what}; {fix}")

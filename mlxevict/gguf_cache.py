@@ -26,7 +26,7 @@ from .telemetry import format_bytes
 SAMPLE_BYTES = 64 * 1024  # bytes hashed at each sample of tensor data
 SAMPLES = 16  # samples spread over the data: a fine-tune with the same header still differs
 PLANS = ".plans"  # header-only folders (config.json) for `info` on an unconverted GGUF
-CACHE_FIX = "free some space, or set MLXEVICT_CACHE to a folder on another disk"
+CACHE_FIX = "set MLXEVICT_CACHE to another folder"
 
 Report = Callable[[str], None]
 
@@ -125,7 +125,7 @@ def convert_once(
     try:
         cache_root().mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise os_error(err, cache_root(), "set MLXEVICT_CACHE to a writable folder") from None
+        raise os_error(err, cache_root(), CACHE_FIX) from None
     convert_gguf(
         gguf.path, out, dtype=dtype, force=True, progress=progress, report=report,
         marker={"source_path": source}, fix=CACHE_FIX,
@@ -152,7 +152,7 @@ def plan_folder(gguf_path: Path) -> tuple[Path, int]:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     except OSError as err:
-        raise os_error(err, folder, "set MLXEVICT_CACHE to a writable folder") from None
+        raise os_error(err, folder, CACHE_FIX) from None
     return folder, output_nbytes(gguf)
 
 
