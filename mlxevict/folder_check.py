@@ -1,17 +1,26 @@
-"""Checks of a model folder before ``mlx_lm.load``: whole weights and a tokenizer, or one line naming the file.
+"""Checks before ``mlx_lm.load``: whole weights, a tokenizer, and address space to load them into.
 
 A truncated ``model.safetensors`` (an interrupted download) makes MLX raise
 ``RuntimeError [load_safetensors]`` without naming the file, and a missing tokenizer
 makes transformers ask for sentencepiece or tiktoken; both are caught here first.
+
+Under an address-space limit (``ulimit -v``) too small for the model, OpenBLAS retries
+its 128 MiB per-thread buffer in ``blas_memory_alloc`` forever, ignoring Ctrl-C, and
+MLX without OpenBLAS segfaults or fails to map its compiled kernels (docs/faults.md has
+the measurements); so the limit is compared with what loading needs before loading.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import resource
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from .errors import MlxEvictError
+from .openblas import openblas_loaded
+from .telemetry import format_bytes, weights_nbytes
 
 if TYPE_CHECKING:
     from .resolve import Resolved
@@ -66,4 +75,35 @@ def check_files(resolved: "Resolved") -> None:
         raise MlxEvictError(
             f"{path} has no tokenizer file ({' or '.join(TOKENIZER_FILES[:2])}); copy it from the model's "
             f"original folder, or {redo_hint(resolved)}"
+        )
+
+
+BLAS_BUFFER_NBYTES = 128 * 1024**2 + 4096  # OpenBLAS's per-thread buffer (seen in gdb: malloc in blas_memory_alloc)
+ADDRESS_MARGIN_NBYTES = 512 * 1024**2  # MLX's compiled kernels, activations, the first KV steps
+
+
+def address_space_needed(path: Path) -> int:
+    """Bytes of address space loading and running ``path`` needs beyond what the process maps now (an estimate)."""
+    threads = int(os.environ.get("OPENBLAS_NUM_THREADS") or os.cpu_count() or 1) if openblas_loaded() else 0
+    return weights_nbytes(path) + (threads + 1) * BLAS_BUFFER_NBYTES + ADDRESS_MARGIN_NBYTES
+
+
+def check_address_space(path: Path, name: str) -> None:
+    """Refuse to load when ``ulimit -v`` leaves too little address space (rather than hang or crash).
+
+    Raises:
+        MlxEvictError: the limit, what the model needs, and how to raise it.
+    """
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if limit == resource.RLIM_INFINITY:
+        return
+    import psutil
+
+    mapped = psutil.Process().memory_info().vms
+    need = mapped + address_space_needed(path)
+    if need > limit:
+        raise MlxEvictError(
+            f"the address-space limit (ulimit -v {limit // 1024}) is {format_bytes(limit)}, below the about "
+            f"{format_bytes(need)} loading {name} needs (weights, OpenBLAS buffers, MLX); under it OpenBLAS "
+            "hangs and MLX crashes: raise it (ulimit -v unlimited) and cap memory with --budget instead"
         )

@@ -22,7 +22,7 @@ import psutil
 
 from .demo_model import demo_model_path
 from .errors import MlxEvictError
-from .folder_check import check_files, redo_hint
+from .folder_check import check_address_space, check_files, redo_hint
 from .patch import SUPPORTED_ARCHITECTURES
 from .telemetry import format_bytes, read_config
 
@@ -394,6 +394,7 @@ def load_model(resolved: Resolved) -> tuple[Any, Any]:
     """``mlx_lm.load`` the folder after checking its architecture and files; return ``(model, tokenizer)``."""
     check_architecture(resolved.path)
     check_files(resolved)
+    check_address_space(resolved.path, resolved.name)
     from mlx_lm import load
 
     try:

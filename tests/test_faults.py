@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -166,7 +167,7 @@ def test_out_dir_under_a_file(capsys, tmp_path, tiny_gguf):
 
 
 def _real_command(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([str(MLXEVICT), *args], capture_output=False, text=True, timeout=120, **kwargs)
+    return subprocess.run([str(MLXEVICT), *args], text=True, timeout=60, **kwargs)
 
 
 def test_stdout_closed(tiny):
@@ -186,6 +187,22 @@ def test_stdout_on_a_full_device(tiny):
     assert proc.stderr.strip().splitlines()[-1] == (
         "mlxevict: error: cannot write stdout: no space left on the device; free some space or write somewhere else"
     )
+
+
+def test_address_space_limit_too_small_for_the_model(tiny):
+    """`ulimit -v` below what loading needs: without the check OpenBLAS spins forever (measured: killed at 30 s)."""
+
+    def limit_address_space():
+        resource.setrlimit(resource.RLIMIT_AS, (800 * 1024**2, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    proc = _real_command(
+        "generate", str(tiny), "-p", "hi", "--max-tokens", "2", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        preexec_fn=limit_address_space,
+    )  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("mlxevict: error: the address-space limit (ulimit -v 819200) is 800.0 MiB, below the about")
+    assert "raise it (ulimit -v unlimited)" in lines[0]
 
 
 # ---- bad values, caught before a model loads ------------------------------------------------------
