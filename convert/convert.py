@@ -171,7 +171,7 @@ def _check_out_dir(out: Path, gguf_path: Path, force: bool) -> list[Path]:
         raise MlxEvictError(
             f"{out} is not empty; choose another OUT_DIR, or pass --force (force=True) to replace an earlier conversion"
         )
-    if out in gguf_path.resolve().parents or out == gguf_path.resolve().parent:
+    if out.resolve() in gguf_path.resolve().parents:
         raise MlxEvictError(f"{out} holds the GGUF file itself; --force would delete it, choose another OUT_DIR")
     foreign = _foreign_entries(out)
     if foreign:

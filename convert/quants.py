@@ -58,7 +58,10 @@ def precision_note(type_name: str) -> str:
             f"repacked as MLX {KQUANT_BITS[type_name]}-bit affine (group {GROUP_SIZE}): same values, "
             "scales rounded to float16"
         )
-    return f"re-quantized to MLX {REQUANT_BITS[type_name]}-bit affine (group {GROUP_SIZE}): close, not exact"
+    bits = REQUANT_BITS[type_name]
+    # Relative RMS error added, measured by scripts/measure_requant.py (docs/faults.md).
+    added = "about 0.3-0.5%" if bits == 8 else "about 3-12%"
+    return f"re-quantized to MLX {bits}-bit affine (group {GROUP_SIZE}): {added} RMS error added"
 
 
 @dataclass(frozen=True)

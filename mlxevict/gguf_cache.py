@@ -124,6 +124,8 @@ def convert_once(
         )
     try:
         cache_root().mkdir(parents=True, exist_ok=True)
+        if out.exists():  # our own folder, left unfinished by a crash: no marker, so not reused
+            shutil.rmtree(out)
     except OSError as err:
         raise os_error(err, cache_root(), CACHE_FIX) from None
     convert_gguf(
@@ -192,6 +194,8 @@ def remove_conversions(names: list[str], *, everything: bool = False) -> list[Co
             chosen += [c for c in match if c not in chosen]
     for entry in chosen:
         shutil.rmtree(entry.path)
-    if everything:
+    if everything:  # also the header-only plans and builds a crash left behind
         shutil.rmtree(cache_root() / PLANS, ignore_errors=True)
+        for partial in cache_root().glob(".*.partial"):
+            shutil.rmtree(partial, ignore_errors=True)
     return chosen
