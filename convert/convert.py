@@ -106,8 +106,9 @@ def convert_gguf(
         _move_into_place(tmp, out, old)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        if err.filename and Path(err.filename).parent == tmp:
-            err.filename = str(out / Path(err.filename).name)  # the build folder is gone: name the destination
+        if err.filename and Path(err.filename).parent == tmp:  # the build folder is gone: name the destination
+            name = Path(err.filename).name
+            err.filename = str(out / ("model.safetensors" if name.startswith("shard-") else name))
         raise os_error(err, out, fix) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -73,8 +73,8 @@ def check_files(resolved: "Resolved") -> None:
             raise MlxEvictError(f"{file} {problem}; {redo_hint(resolved)}")
     if not any((path / name).is_file() for name in TOKENIZER_FILES) and not any(path.glob("*.tiktoken")):
         raise MlxEvictError(
-            f"{path} has no tokenizer file ({' or '.join(TOKENIZER_FILES[:2])}); copy it from the model's "
-            f"original folder, or {redo_hint(resolved)}"
+            f"{path} has no tokenizer file ({' or '.join(TOKENIZER_FILES[:2])}): the model folder is incomplete; "
+            f"{redo_hint(resolved)}"
         )
 
 

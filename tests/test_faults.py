@@ -138,7 +138,7 @@ def test_missing_tokenizer_file(capsys, tmp_path, tiny):
     folder = shutil.copytree(tiny, tmp_path / "no-tokenizer")
     (folder / "tokenizer.json").unlink()
     rc, _, err = run(capsys, "generate", folder, "-p", "hi", "--max-tokens", "2")
-    one_error_line(rc, err, f"{folder} has no tokenizer file (tokenizer.json or tokenizer.model)")
+    one_error_line(rc, err, f"{folder} has no tokenizer file (tokenizer.json or tokenizer.model): the model folder is")
     assert "sentencepiece" not in err
 
 
