@@ -23,7 +23,7 @@ def _command_adders() -> list[CommandAdder]:
     from .commands.info import add_info_parser
     from .benchmarks.cli import add_bench_parser, add_eval_parser
     from .convert.cli import add_convert_parser
-    from .commands.cache import add_cache_parser
+    from .commands.conversions import add_conversions_parser
 
     return [
         add_generate_parser,
@@ -32,7 +32,7 @@ def _command_adders() -> list[CommandAdder]:
         add_convert_parser,
         add_bench_parser,
         add_eval_parser,
-        add_cache_parser,
+        add_conversions_parser,
     ]
 
 

@@ -33,7 +33,7 @@ def redo_hint(resolved: "Resolved") -> str:
     if resolved.source in ("hub", "family"):
         return f"download it again with `hf download {resolved.name} --force-download`"
     if resolved.source == "gguf":
-        return f"delete the cached conversion with `mlxevict cache remove {resolved.path.name}` and run again"
+        return f"delete the cached conversion with `mlxevict conversions remove {resolved.path.name}` and run again"
     if resolved.source == "demo":
         return f"delete {resolved.path} and run again to rebuild it"
     return "copy, download or convert the model again"

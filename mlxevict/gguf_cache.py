@@ -4,7 +4,7 @@ An entry is keyed on the file's content (its header, which holds the metadata an
 tensor table, and samples of its tensor data), not its path or mtime: a ``touch``ed or
 moved file finds its conversion again. Each GGUF file keeps one copy per dtype: when a
 file at the same path changes, its older conversion is removed after the new one is
-written. ``mlxevict cache list`` and ``mlxevict cache remove`` show and delete entries.
+written. ``mlxevict conversions list`` and ``mlxevict conversions remove`` show and delete entries.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def conversion_folder(gguf: GGUFFile, dtype: Optional[str] = None) -> Path:
 
 
 def _note_source(folder: Path, gguf_path: Path) -> None:
-    """Record where the GGUF is now (it may have moved), so `cache list` and `cache remove FILE` find it."""
+    """Record where the GGUF is now (it may have moved), so `conversions list` and `conversions remove FILE` find it."""
     marker = folder / MARKER
     try:
         info = json.loads(marker.read_text())
@@ -120,7 +120,7 @@ def convert_once(
     if report:
         report(
             f"converting {gguf.path.name} once into {out} (about {format_bytes(output_nbytes(gguf, dtype))}; "
-            "`mlxevict cache list` shows conversions, `mlxevict cache remove` deletes them)"
+            "`mlxevict conversions list` shows conversions, `mlxevict conversions remove` deletes them)"
         )
     try:
         cache_root().mkdir(parents=True, exist_ok=True)
@@ -190,7 +190,7 @@ def remove_conversions(names: list[str], *, everything: bool = False) -> list[Co
             match = [c for c in entries if c.path.name == name or c.source == source]
             if not match:
                 known = ", ".join(c.path.name for c in entries) or "the cache is empty"
-                raise MlxEvictError(f"no cached conversion {name!r}; `mlxevict cache list` shows them ({known})")
+                raise MlxEvictError(f"no cached conversion {name!r}; `mlxevict conversions list` shows them ({known})")
             chosen += [c for c in match if c not in chosen]
     for entry in chosen:
         shutil.rmtree(entry.path)

@@ -264,18 +264,18 @@ def test_changed_gguf_replaces_its_older_conversion(tmp_path, gguf_cache):
     assert [c.path for c in list_conversions()] == [second.path]
 
 
-def test_cache_list_and_remove(tmp_path, gguf_cache, capsys):
+def test_conversions_list_and_remove(tmp_path, gguf_cache, capsys):
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     resolved = resolve_model(str(gguf), report=lambda line: None)
-    assert main(["cache", "list"]) == 0
+    assert main(["conversions", "list"]) == 0
     out = capsys.readouterr().out
     assert resolved.path.name in out and str(gguf) in out and "1 conversion," in out
-    assert main(["cache", "remove", "nope"]) == 1
+    assert main(["conversions", "remove", "nope"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no cached conversion 'nope'" in err and resolved.path.exists()
-    assert main(["cache", "remove", str(gguf)]) == 0
+    assert main(["conversions", "remove", str(gguf)]) == 0
     assert "removed 1 conversion" in capsys.readouterr().out and not resolved.path.exists()
-    assert main(["cache"]) == 0 and "no cached conversions" in capsys.readouterr().out
+    assert main(["conversions"]) == 0 and "no cached conversions" in capsys.readouterr().out
 
 
 def test_info_plans_a_gguf_without_converting_it(tmp_path, gguf_cache, capsys):
