@@ -41,8 +41,8 @@ def main() -> None:
             continue  # exact by construction, tested bit for bit against MLX's own GGUF reader
         how = "repacked" if type_name in KQUANT_BITS else "re-quantized"
         k = f"{rel_rms(random_kquant(type_name, SHAPE, rng)):.1e}" if type_name in ("Q4_K", "Q5_K", "Q6_K") else ""
-        row = f"| {type_name} | {mlx_bits(type_name)}-bit, {how} | {rel_rms(random_quant_bytes(type_name, SHAPE, rng)):.1e}"
-        print(f"{row} | {k} |")
+        error = rel_rms(random_quant_bytes(type_name, SHAPE, rng))
+        print(f"| {type_name} | {mlx_bits(type_name)}-bit, {how} | {error:.1e} | {k} |")
     for type_name in ("Q4_K", "Q6_K"):
         entry = random_kquant(type_name, (4096, 4096), rng)
         raw = np.frombuffer(entry[2], dtype=np.uint8)

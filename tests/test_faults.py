@@ -182,7 +182,9 @@ def test_stdout_closed(tiny):
 
 def test_stdout_on_a_full_device(tiny):
     with open("/dev/full", "w") as full:
-        proc = _real_command("generate", str(tiny), "-p", "hi", "--max-tokens", "2", stdout=full, stderr=subprocess.PIPE)
+        proc = _real_command(
+            "generate", str(tiny), "-p", "hi", "--max-tokens", "2", stdout=full, stderr=subprocess.PIPE
+        )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == (
         "mlxevict: error: cannot write stdout: no space left on the device; free some space or write somewhere else"
@@ -201,7 +203,7 @@ def test_address_space_limit_too_small_for_the_model(tiny):
     )  # fmt: skip
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("mlxevict: error: the address-space limit (ulimit -v 819200) is 800.0 MiB, below the about")
+    assert lines[0].startswith("mlxevict: error: the address-space limit (ulimit -v 819200) is 800.0 MiB, below")
     assert "raise it (ulimit -v unlimited)" in lines[0]
 
 

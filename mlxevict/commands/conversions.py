@@ -51,7 +51,9 @@ def run_conversions(args: argparse.Namespace) -> int:
         print(f"{len(entries)} conversion{'s' if len(entries) != 1 else ''}, {format_bytes(total)} in {cache_root()}")
         return 0
     if not args.names and not args.all:
-        raise MlxEvictError("`conversions remove` needs a NAME from `mlxevict conversions list`, a .gguf file, or --all")
+        raise MlxEvictError(
+            "`conversions remove` needs a NAME from `mlxevict conversions list`, a .gguf file, or --all"
+        )
     removed = remove_conversions(args.names, everything=args.all)
     freed = format_bytes(sum(c.nbytes for c in removed))
     print(f"removed {len(removed)} conversion{'s' if len(removed) != 1 else ''}, {freed} freed")
