@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import TextIO
@@ -15,11 +16,15 @@ from .weights import SUPPORTED_ARCHITECTURES
 PROGRESS_MIN_BYTES = 256 * 1024**2  # smaller files convert in a few seconds: no bar
 BAR_WIDTH = 30
 
+_TYPES = textwrap.fill(", ".join(SUPPORTED_TYPES), width=88, initial_indent="  ", subsequent_indent="  ")
 _EPILOG = f"""\
 supported architectures: {", ".join(SUPPORTED_ARCHITECTURES)} (e.g. SmolLM2, Llama 3,
   DeepSeek-R1-Distill-Llama, Qwen2/2.5, DeepSeek-R1-Distill-Qwen)
-supported tensor types:  {", ".join(SUPPORTED_TYPES)}; Q4_0/Q4_1/Q8_0 stay quantized
-  (MLX affine, group size 32) unless --dtype is given
+supported tensor types:
+{_TYPES}
+  quantized tensors stay quantized (MLX affine, group size 32) unless --dtype is given:
+  Q4_0/Q4_1/Q8_0 exactly, Q4_K/Q5_K with the same values (scales in float16), the rest
+  re-quantized to 8 bits (Q5_*, Q6_K) or 4 bits (Q2_K, Q3_K, IQ*, TQ*, MXFP4); a note says which
 tokenizer:               byte-level BPE (tokenizer.ggml.model = gpt2)
 
 example:
@@ -38,13 +43,19 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("gguf", metavar="MODEL.gguf", type=Path, help="the GGUF file")
-    parser.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="the folder to write (missing or empty)")
+    parser.add_argument(
+        "out_dir", metavar="OUT_DIR", type=Path, help="the folder to write (missing, empty, or an earlier conversion)"
+    )
     parser.add_argument(
         "--dtype",
         choices=tuple(DTYPES),
         help="dequantize every tensor to this type (float32 runs fastest on a CPU); default: keep as stored",
     )
-    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it is not empty")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an earlier conversion in OUT_DIR (never a folder holding other files)",
+    )
     parser.set_defaults(func=run_convert)
 
 
@@ -54,13 +65,19 @@ def run_convert(args: argparse.Namespace) -> int:
     bar = _ProgressBar(sys.stderr) if large and sys.stderr.isatty() else None
     start = time.perf_counter()
     try:
-        out = convert_gguf(args.gguf, args.out_dir, dtype=args.dtype, force=args.force, progress=bar)
+        out = convert_gguf(
+            args.gguf, args.out_dir, dtype=args.dtype, force=args.force, progress=bar, report=_note
+        )
     finally:
         if bar is not None:
             bar.finish()
     kind = args.dtype or "as stored"
     print(f"converted {args.gguf} -> {out} ({kind}) in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def _note(line: str) -> None:
+    print(f"mlxevict: note: {line}", file=sys.stderr, flush=True)
 
 
 class _ProgressBar:

@@ -17,6 +17,8 @@ import numpy as np
 
 from mlxevict.errors import MlxEvictError
 
+from .quants import BITS, FLOAT_TYPES, KQUANT_BITS, REQUANT_BITS
+
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -30,16 +32,19 @@ GGML_TYPE_NAMES: dict[int, str] = {
     29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
 }  # fmt: skip
 
-# The tensor types the converter handles: name -> (elements per block, bytes per block).
+# Every ggml type's block: name -> (elements per block, bytes per block), as the gguf package's
+# GGML_QUANT_SIZES gives them (copied so reading a header does not import it).
 BLOCK_LAYOUT: dict[str, tuple[int, int]] = {
-    "F32": (1, 4),
-    "F16": (1, 2),
-    "BF16": (1, 2),
-    "Q4_0": (32, 18),  # f16 scale + 16 bytes of 4-bit values
-    "Q4_1": (32, 20),  # f16 scale + f16 min + 16 bytes of 4-bit values
-    "Q8_0": (32, 34),  # f16 scale + 32 int8 values
-}
-SUPPORTED_TYPES = tuple(BLOCK_LAYOUT)
+    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "F64": (1, 8),
+    "I8": (1, 1), "I16": (1, 2), "I32": (1, 4), "I64": (1, 8),
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34), "Q8_1": (32, 40),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "Q8_K": (256, 292), "IQ2_XXS": (256, 66), "IQ2_XS": (256, 74), "IQ2_S": (256, 82), "IQ3_XXS": (256, 98),
+    "IQ3_S": (256, 110), "IQ1_S": (256, 50), "IQ1_M": (256, 56), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
+    "TQ1_0": (256, 54), "TQ2_0": (256, 66), "MXFP4": (32, 17),
+}  # fmt: skip
+# The types the converter reads (see quants.py for how each is kept); the rest are refused.
+SUPPORTED_TYPES = (*FLOAT_TYPES, *BITS, *KQUANT_BITS, *REQUANT_BITS)
 
 # GGUF metadata value types: id -> struct format of a scalar (8 = string, 9 = array).
 _SCALAR_FORMATS = {
@@ -76,12 +81,14 @@ class GGUFFile:
         version: GGUF format version (2 or 3).
         metadata: key -> str, int, float, bool or list (numeric arrays as numpy arrays).
         tensors: name -> TensorInfo, in file order.
+        data_offset: where tensor data starts; the bytes before are the header.
     """
 
     path: Path
     version: int
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
+    data_offset: int = 0
 
     @property
     def architecture(self) -> str:
@@ -192,11 +199,11 @@ def read_gguf(path: str | Path) -> GGUFFile:
                 f"{offset + nbytes}, the file has {size})"
             )
         tensors[name] = TensorInfo(name, shape, type_name, offset, nbytes or 0)
-    return GGUFFile(path, version, metadata, tensors)
+    return GGUFFile(path, version, metadata, tensors, data_start)
 
 
 def _tensor_nbytes(shape: tuple[int, ...], type_name: str) -> int | None:
-    """Bytes of a tensor of a supported type; None for types we cannot size."""
+    """Bytes of a tensor; None for a type of unknown layout (refused later by ``check_tensor_types``)."""
     if type_name not in BLOCK_LAYOUT:
         return None
     block, block_bytes = BLOCK_LAYOUT[type_name]
@@ -208,14 +215,14 @@ def check_tensor_types(gguf: GGUFFile) -> None:
     """Refuse a file holding a tensor type the converter cannot map, naming it.
 
     Raises:
-        MlxEvictError: names the first unsupported type, how many tensors use it,
+        MlxEvictError: names the unsupported types, how many tensors use them,
             and the supported types.
     """
-    bad = [t for t in gguf.tensors.values() if t.type_name not in BLOCK_LAYOUT]
+    bad = [t for t in gguf.tensors.values() if t.type_name not in SUPPORTED_TYPES]
     if bad:
         kinds = sorted({t.type_name for t in bad})
+        count = f"{len(bad)} tensor{'s' if len(bad) != 1 else ''}"
         raise MlxEvictError(
-            f"{gguf.path}: tensor type {', '.join(kinds)} is not supported ({len(bad)} tensors, "
-            f"e.g. {bad[0].name!r}); supported: {', '.join(SUPPORTED_TYPES)} — "
-            "use a Q4_0, Q4_1, Q8_0, F16 or BF16 GGUF of this model"
+            f"{gguf.path}: tensor type {', '.join(kinds)} is not supported ({count}, e.g. {bad[0].name!r}); "
+            f"supported: {', '.join(SUPPORTED_TYPES)}; use a GGUF of this model in one of those"
         )

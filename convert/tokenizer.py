@@ -168,6 +168,7 @@ def tokenizer_config(gguf: GGUFFile) -> dict[str, Any]:
 
 def write_tokenizer(gguf: GGUFFile, out_dir: Path) -> None:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``out_dir``."""
-    build_tokenizer(gguf).save(str(out_dir / "tokenizer.json"))
+    # Written by Python, not the tokenizers library, so a full disk is an OSError like any other.
+    (out_dir / "tokenizer.json").write_text(build_tokenizer(gguf).to_str(), encoding="utf-8")
     config = json.dumps(tokenizer_config(gguf), indent=2, ensure_ascii=False)
     (out_dir / "tokenizer_config.json").write_text(config + "\n", encoding="utf-8")

@@ -10,7 +10,7 @@ import warnings
 from typing import Callable, Sequence
 
 from . import __version__
-from .errors import MlxEvictError
+from .errors import MlxEvictError, os_error
 from .openblas import reexec_with_openblas
 
 # name -> (function that adds the subparser). Each adder sets ``func`` on its parser.
@@ -23,6 +23,7 @@ def _command_adders() -> list[CommandAdder]:
     from .commands.info import add_info_parser
     from .benchmarks.cli import add_bench_parser, add_eval_parser
     from .convert.cli import add_convert_parser
+    from .commands.conversions import add_conversions_parser
 
     return [
         add_generate_parser,
@@ -31,6 +32,7 @@ def _command_adders() -> list[CommandAdder]:
         add_convert_parser,
         add_bench_parser,
         add_eval_parser,
+        add_conversions_parser,
     ]
 
 
@@ -53,6 +55,10 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if sys.stdout is None:  # started with stdout closed (`>&-`): the answer would go nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # so no file we open lands on fd 1
+        print("mlxevict: error: stdout is closed; redirect it to a file (> out.txt) or to /dev/null", file=sys.stderr)
+        return 1
     if argv is None:
         # Only the real command re-executes (tests call main with a list).
         reexec_with_openblas(sys.argv[1:])
@@ -77,6 +83,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         print(f"mlxevict: error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a file-system fault nothing closer caught: a full disk under stdout, EIO
+        if args.debug:
+            traceback.print_exc()
+        if err.filename is None:  # a write that names no file: the output stream (`> /dev/full`)
+            err.filename = "stdout"
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the final flush must not fail again
+        print(f"mlxevict: error: {os_error(err, None, 'write somewhere else')}", file=sys.stderr)
         return 1
 
 

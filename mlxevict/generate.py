@@ -124,7 +124,7 @@ def stream_events(
     if limit:
         if start + len(tokens) >= limit:
             raise MlxEvictError(
-                f"the prompt{' and the conversation so far' if start else ''} take {start + len(tokens)} tokens, "
+                f"the prompt{' and the conversation so far take' if start else ' takes'} {start + len(tokens)} tokens, "
                 f"but the model's context limit is {limit}; shorten the prompt"
                 + (" or reset the conversation" if start else "")
             )

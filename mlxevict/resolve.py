@@ -11,7 +11,6 @@ read at call time.
 from __future__ import annotations
 
 import difflib
-import hashlib
 import os
 import re
 import sys
@@ -21,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import psutil
 
-from .demo_model import cache_dir, demo_model_path
+from .demo_model import demo_model_path
 from .errors import MlxEvictError
 from .family import (  # noqa: F401 (their old import path)
     DEEPSEEK_R1_DISTILL,
@@ -31,6 +30,7 @@ from .family import (  # noqa: F401 (their old import path)
     is_family_name,
 )
 from .geometry import read_config
+from .folder_check import check_address_space, check_files, redo_hint
 from .patch import SUPPORTED_ARCHITECTURES
 
 DEMO_NAME = "demo"
@@ -49,12 +49,14 @@ class Resolved:
         name: what to show the user (repo id, file or folder name).
         source: ``"folder"``, ``"gguf"``, ``"hub"``, ``"family"`` or ``"demo"``.
         reason: why this model (family choice), else ``""``.
+        weights_nbytes: the weights' size when ``path`` holds none yet (an unconverted GGUF's plan).
     """
 
     path: Path
     name: str
     source: str
     reason: str = ""
+    weights_nbytes: Optional[int] = None
 
 
 def hub_cache_dir() -> Path:
@@ -175,25 +177,10 @@ def hub_weights_nbytes(repo: str) -> Optional[int]:
 
 
 # ---- GGUF -------------------------------------------------------------------------
-def gguf_folder(gguf: Path, dtype: Optional[str] = None) -> Path:
-    """Where a GGUF file's conversion lives in the cache: keyed by path, size, mtime and dtype."""
-    stat = gguf.stat()
-    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}"
-    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
-    return cache_dir() / "gguf" / f"{gguf.stem}-{dtype or 'native'}-{digest}"
+def _convert_gguf(gguf: Path, dtype: Optional[str], progress: bool, report: Optional[Report]) -> Path:
+    """The cached conversion of ``gguf``, converting it now (said on stderr, with a bar on a terminal)."""
+    from .gguf_cache import convert_once
 
-
-def convert_once(
-    gguf: Path, *, dtype: Optional[str] = None, progress: bool = False, report: Optional[Report] = None
-) -> Path:
-    """Convert ``gguf`` into the cache unless an earlier run already did; return the folder."""
-    out = gguf_folder(gguf, dtype)
-    if (out / "config.json").is_file():
-        return out
-    from .convert import convert_gguf
-
-    if report:
-        report(f"converting {gguf.name} once into {out}")
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -205,11 +192,26 @@ def convert_once(
         bar.update(done - bar.n)
 
     try:
-        convert_gguf(gguf, out, dtype=dtype, force=True, progress=advance if bar else None)
+        return convert_once(gguf, dtype=dtype, progress=advance if bar else None, report=report or _say)
     finally:
         if bar:
             bar.close()
-    return out
+
+
+def _say(line: str) -> None:
+    print(f"mlxevict: {line}", file=sys.stderr, flush=True)
+
+
+def _gguf_plan(gguf: Path, dtype: Optional[str]) -> "Resolved":
+    """A GGUF for a memory plan: its conversion if cached, else its header's config (nothing converted)."""
+    from .gguf_cache import cached_conversion, plan_folder
+
+    folder = cached_conversion(gguf, dtype)
+    if folder is not None:
+        return Resolved(folder, gguf.name, "gguf")
+    folder, nbytes = plan_folder(gguf)
+    reason = "not converted yet: planned from the GGUF header (generate or chat converts it once)"
+    return Resolved(folder, gguf.name, "gguf", reason, weights_nbytes=nbytes)
 
 
 # ---- the one entry point ------------------------------------------------------------
@@ -234,7 +236,7 @@ def resolve_model(
             ``mlx-community/DeepSeek-R1-Distill``, ``"demo"`` or ``None`` (the demo model).
         memory: total memory for the family choice, for a machine of that size with the usual apps
             open; default this machine's total and what it has available now.
-        weights: ``False`` fetches only a hub repo's JSON files (enough for a memory plan).
+        weights: ``False`` fetches only a hub repo's JSON files and converts no GGUF (enough for a memory plan).
         progress: show download and conversion progress bars on stderr.
         gguf_dtype: ``None`` keeps a GGUF's tensors as stored; ``"float16"``/``"float32"`` dequantizes.
         report: called with one human line for each decision worth telling (the family choice).
@@ -262,7 +264,9 @@ def resolve_model(
             raise MlxEvictError(
                 f"{path} is a file but not a .gguf model; give a .gguf file, an MLX folder or a repo id"
             )
-        return Resolved(convert_once(path, dtype=gguf_dtype, progress=progress, report=report), path.name, "gguf")
+        if not weights:
+            return _gguf_plan(path, gguf_dtype)
+        return Resolved(_convert_gguf(path, gguf_dtype, progress, report), path.name, "gguf")
     if _looks_like_path(name):
         raise MlxEvictError(f"{name}: no such file or folder{suggest(name)}")
     if is_family_name(name):
@@ -296,11 +300,15 @@ def check_architecture(path: Path) -> dict[str, Any]:
 
 
 def load_model(resolved: Resolved) -> tuple[Any, Any]:
-    """``mlx_lm.load`` the folder after checking its architecture; return ``(model, tokenizer)``."""
+    """``mlx_lm.load`` the folder after checking its architecture and files; return ``(model, tokenizer)``."""
     check_architecture(resolved.path)
+    check_files(resolved)
+    check_address_space(resolved.path, resolved.name)
     from mlx_lm import load
 
     try:
         return load(str(resolved.path))
     except (ValueError, FileNotFoundError, OSError) as err:
         raise MlxEvictError(f"cannot load {resolved.name} from {resolved.path}: {err}") from None
+    except RuntimeError as err:  # MLX's reader: "[load_safetensors] ..." on a damaged file
+        raise MlxEvictError(f"cannot read the weights in {resolved.path} ({err}); {redo_hint(resolved)}") from None

@@ -1,4 +1,4 @@
-"""A minimal GGUF writer for tests: craft small, exact files without a new dependency.
+"""A minimal GGUF writer for tests: craft small, exact files; and K-quant files through the gguf package's writer.
 
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
@@ -9,10 +9,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
 ALIGNMENT = 32
-TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q6_K": 14, "BF16": 30}
+TYPE_IDS = {t.name: t.value for t in gguf.GGMLQuantizationType}
 _BYTES_PER_BLOCK = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
@@ -129,3 +130,67 @@ def small_model_metadata(
         "tokenizer.ggml.eos_token_id": 257,
         "tokenizer.chat_template": chat_template,
     }
+
+
+# K-quant super-block layouts (ggml-common.h): byte offsets of the float16 scale fields.
+_KQUANT_F16 = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# Super-scale ``d`` per type (dmin = d * the mean q), so weights come out with std of about 0.05-0.1.
+_KQUANT_D = {"Q4_K": 4e-4, "Q5_K": 2e-4, "Q6_K": 4e-5}
+_KQUANT_MEAN_Q = {"Q4_K": 7.5, "Q5_K": 15.5}
+
+
+def random_kquant(type_name: str, shape: tuple[int, ...], rng: np.random.Generator) -> tuple[str, tuple, bytes]:
+    """A tensor entry of random Q4_K/Q5_K/Q6_K super-blocks with weight-sized scales (rows a multiple of 256)."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    blocks = rng.integers(0, 256, size=(int(np.prod(shape)) // block, nbytes), dtype=np.uint8)
+    d = rng.uniform(0.5, 1.5, size=(blocks.shape[0], 1)) * _KQUANT_D[type_name]
+    fields = [d] + ([d * _KQUANT_MEAN_Q[type_name]] if type_name in _KQUANT_MEAN_Q else [])
+    for at, value in zip(_KQUANT_F16[type_name], fields):
+        blocks[:, at : at + 2] = value.astype(np.float16).view(np.uint8)
+    return type_name, shape, blocks.tobytes()
+
+
+def random_quant_bytes(type_name: str, shape: tuple[int, ...], rng: np.random.Generator) -> tuple[str, tuple, bytes]:
+    """Random blocks of any ggml type, every byte below 0x3C so no float16 field is inf or NaN (|x| < 1)."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    blocks = rng.integers(0, 0x3C, size=(int(np.prod(shape)) // block, nbytes), dtype=np.uint8)
+    if type_name == "MXFP4":  # its scale is a power of two, 2 ** (byte - 127): keep weights near 1
+        blocks[:, 0] = rng.integers(120, 128, size=blocks.shape[0])
+    return type_name, shape, blocks.tobytes()
+
+
+def dequantize_gguf(entry: tuple[str, tuple, bytes]) -> np.ndarray:
+    """The float32 values of a tensor entry, decoded by the gguf package (llama.cpp's reference decoders)."""
+    type_name, shape, raw = entry
+    data = np.frombuffer(raw, dtype=np.uint8).reshape(int(np.prod(shape[:-1])), -1)
+    return gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name]).reshape(shape).astype(np.float32)
+
+
+def write_gguf_package(path: Path, metadata: dict[str, Any], tensors: dict[str, tuple[str, tuple, bytes]]) -> Path:
+    """Write a GGUF file with the gguf package's ``GGUFWriter`` (the writer llama.cpp's converter uses)."""
+    writer = gguf.GGUFWriter(str(path), metadata["general.architecture"])
+    for key, v in metadata.items():
+        if key == "general.architecture":
+            continue
+        if isinstance(v, bool):
+            writer.add_bool(key, v)
+        elif isinstance(v, int):
+            writer.add_uint32(key, v)
+        elif isinstance(v, float):
+            writer.add_float32(key, v)
+        elif isinstance(v, str):
+            writer.add_string(key, v)
+        else:
+            writer.add_array(key, v)  # the gguf package drops an empty list
+    for name, (type_name, shape, raw) in tensors.items():
+        qtype = gguf.GGMLQuantizationType[type_name]
+        if type_name == "F32":
+            writer.add_tensor(name, np.frombuffer(raw, dtype=np.float32).reshape(shape))
+        else:
+            data = np.frombuffer(raw, dtype=np.uint8).reshape(int(np.prod(shape[:-1])), -1)
+            writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

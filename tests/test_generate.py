@@ -176,7 +176,7 @@ def test_empty_prompt_is_refused(chatml):
 
 def test_prompt_longer_than_the_context_is_refused(short_context):
     model, tokenizer = short_context
-    with pytest.raises(MlxEvictError, match="take 81 tokens, but the model's context limit is 64; shorten the prompt"):
+    with pytest.raises(MlxEvictError, match="the prompt takes 81 tokens, but the model's context limit is 64; shorten the prompt"):
         next(stream_events(model, tokenizer, list(range(5, 86))))
 
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from huggingface_hub import snapshot_download
 from model_files import build_tiny_model, write_hub_repo, write_tiny_gguf
 
+from mlxevict.cli import main
 from mlxevict.errors import MlxEvictError
 from mlxevict.family import HEADROOM, IN_USE, room
+from mlxevict.gguf_cache import list_conversions
 from mlxevict.resolve import (
     DEEPSEEK_R1_DISTILL,
     FAMILY_NAME,
@@ -75,7 +78,7 @@ def test_gguf_is_converted_once_into_the_cache(tmp_path, monkeypatch):
     first = resolve_model(str(gguf), report=said.append)
     assert first.source == "gguf" and first.name == "tiny.gguf"
     assert first.path.parent == tmp_path / "cache" / "gguf" and (first.path / "config.json").is_file()
-    assert said == [f"converting tiny.gguf once into {first.path}"]
+    assert len(said) == 1 and said[0].startswith(f"converting tiny.gguf once into {first.path} (about ")
     stamp = (first.path / "model.safetensors").stat().st_mtime_ns
     second = resolve_model(str(gguf), report=said.append)
     assert second.path == first.path and len(said) == 1  # no second conversion
@@ -239,3 +242,56 @@ def test_no_model_is_the_demo_model(hub, smollm_path):
     for name in (None, "", "demo"):
         resolved = resolve_model(name)
         assert resolved.source == "demo" and resolved.path == smollm_path
+
+
+# ---- the GGUF conversion cache ---------------------------------------------------------------
+@pytest.fixture
+def gguf_cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("MLXEVICT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "gguf"
+
+
+def test_touched_or_moved_gguf_finds_its_conversion(tmp_path, gguf_cache):
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    first = resolve_model(str(gguf), report=lambda line: None)
+    os.utime(gguf, (1, 1))
+    moved = gguf.rename(tmp_path / "elsewhere.gguf")
+    said: list[str] = []
+    again = resolve_model(str(moved), report=said.append)
+    assert again.path == first.path and said == []  # keyed on content: no second conversion
+    assert [c.path for c in list_conversions()] == [first.path]
+
+
+def test_changed_gguf_replaces_its_older_conversion(tmp_path, gguf_cache):
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    first = resolve_model(str(gguf), report=lambda line: None)
+    data = bytearray(gguf.read_bytes())
+    data[-4:] = b"\x00\x00\x80\x3f"  # the last weight becomes 1.0: same header, other content
+    gguf.write_bytes(bytes(data))
+    said: list[str] = []
+    second = resolve_model(str(gguf), report=said.append)
+    assert second.path != first.path and not first.path.exists()
+    assert said[0].startswith("converting tiny.gguf once") and said[-1].startswith("removed the older conversion")
+    assert [c.path for c in list_conversions()] == [second.path]
+
+
+def test_conversions_list_and_remove(tmp_path, gguf_cache, capsys):
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    resolved = resolve_model(str(gguf), report=lambda line: None)
+    assert main(["conversions", "list"]) == 0
+    out = capsys.readouterr().out
+    assert resolved.path.name in out and str(gguf) in out and "1 conversion," in out
+    assert main(["conversions", "remove", "nope"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no cached conversion 'nope'" in err and resolved.path.exists()
+    assert main(["conversions", "remove", str(gguf)]) == 0
+    assert "removed 1 conversion" in capsys.readouterr().out and not resolved.path.exists()
+    assert main(["conversions"]) == 0 and "no cached conversions" in capsys.readouterr().out
+
+
+def test_info_plans_a_gguf_without_converting_it(tmp_path, gguf_cache, capsys):
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    assert main(["info", str(gguf)]) == 0
+    out = capsys.readouterr().out
+    assert "not converted yet" in out and "after conversion" in out
+    assert list_conversions() == []

@@ -11,7 +11,9 @@ from ..events import Finished, TextChunk
 from ..generate import ChatSession
 from ..policies import policy_names
 from ..budget import parse_budget
-from ..memory import MemoryGuard
+from ..kvstorage import bits_label
+from ..memory import MemoryGuard, format_bytes
+from ..stats import CacheStats
 from .common import (
     TextPrinter,
     add_cache_options,
@@ -110,7 +112,7 @@ def command(session: ChatSession, line: str, err: TextIO) -> bool:
         session.reset()
         print("conversation cleared, cache freed", file=err)
     elif name == "/stats":
-        print(session.stats or "the cache is empty", file=err)
+        print(stats_text(session.stats) if session.stats else "the cache is empty", file=err)
     elif name == "/policy":
         if value not in policy_names():
             raise MlxEvictError(f"unknown policy {value!r}; choose one of: {', '.join(policy_names())}")
@@ -128,6 +130,17 @@ def command(session: ChatSession, line: str, err: TextIO) -> bool:
     else:
         raise MlxEvictError(f"unknown command {name!r}; /help lists them")
     return True
+
+
+def stats_text(c: CacheStats) -> str:
+    """``/stats`` as a person reads it: what the cache holds, has dropped, and costs."""
+    bits = f", stored in {bits_label(c.kv_bits)}" if c.kv_bits else ""
+    if c.kv_bits and c.full_precision_window:
+        bits += f", the newest {c.full_precision_window} in {'8 bits' if c.window_bits else 'full precision'}"
+    return (
+        f"KV cache ({c.policy}): {c.kept:,} of {c.tokens_seen:,} tokens kept, {c.evicted:,} evicted, "
+        f"budget {c.budget:,}; {format_bytes(c.nbytes)} vs {format_bytes(c.full_nbytes)} for a full cache{bits}"
+    )
 
 
 def turn(session: ChatSession, text: str, out: TextIO, err: TextIO, show_reasoning: bool) -> None:

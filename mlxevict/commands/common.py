@@ -110,6 +110,8 @@ def check_sampling(args: argparse.Namespace) -> None:
         raise MlxEvictError(f"--temp {args.temp} must be >= 0 (0 is greedy)")
     if not 0 < args.top_p <= 1:
         raise MlxEvictError(f"--top-p {args.top_p} must be in (0, 1]")
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        raise MlxEvictError(f"--seed {args.seed} must be an integer from 0 to 2**64 - 1")
 
 
 def report(line: str) -> None:

@@ -53,7 +53,9 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_argument(parser)
-    parser.add_argument("-p", "--prompt", help="the prompt; default: read stdin (or a demo prompt on a terminal)")
+    parser.add_argument(
+        "-p", "--prompt", help="the prompt, or - to read it from stdin; default: stdin (a demo prompt on a terminal)"
+    )
     parser.add_argument("--hide-reasoning", action="store_true", help="do not print the reasoning")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
@@ -64,7 +66,9 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def read_prompt(args: argparse.Namespace) -> str:
     """``-p``, else stdin; on a terminal with neither, the demo prompt (said so on stderr)."""
-    if args.prompt is not None:
+    if args.prompt == "-":  # as mlx_lm.generate: read stdin, even on a terminal
+        prompt = sys.stdin.read() if sys.stdin is not None else ""
+    elif args.prompt is not None:
         prompt = args.prompt
     elif sys.stdin is None or sys.stdin.isatty():
         report(f"no prompt given (-p or stdin); using the demo prompt: {DEMO_PROMPT!r}")

@@ -60,6 +60,8 @@ def add_info_parser(subparsers: argparse._SubParsersAction) -> None:
 def _weights_size(resolved, config_weights: int) -> tuple[Optional[int], str]:
     if config_weights:
         return config_weights, "on disk"
+    if resolved.weights_nbytes:
+        return resolved.weights_nbytes, "after conversion"
     size = hub_weights_nbytes(resolved.name)
     if size:
         return size, "to download"
