@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Optional
 
 from .errors import MlxEvictError
 from .openblas import openblas_loaded
-from .telemetry import format_bytes, weights_nbytes
+from .geometry import weights_nbytes
+from .memory import format_bytes
 
 if TYPE_CHECKING:
     from .resolve import Resolved

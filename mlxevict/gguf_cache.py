@@ -21,7 +21,7 @@ from .convert.gguf import GGUFFile, read_gguf
 from .convert.weights import check_architecture, make_config
 from .demo_model import cache_dir
 from .errors import MlxEvictError, os_error
-from .telemetry import format_bytes
+from .memory import format_bytes
 
 SAMPLE_BYTES = 64 * 1024  # bytes hashed at each sample of tensor data
 SAMPLES = 16  # samples spread over the data: a fine-tune with the same header still differs

@@ -3,7 +3,7 @@
 The library is every module of ``mlxevict/`` except the application's: the command
 line (``cli``, ``commands``), the generation loop and chat session (``generate``,
 ``prompts``, ``chat_session``), model resolution (``resolve``, ``family``,
-``demo_model``), and the folders installed as ``mlxevict.app``, ``mlxevict.convert``
+``demo_model``, ``gguf_cache``, ``folder_check``), and the folders installed as ``mlxevict.app``, ``mlxevict.convert``
 and ``mlxevict.benchmarks``. Imports inside functions count too: a lazy import is
 still a dependency.
 """
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mlxevict"
 APPLICATION = (
     "cli", "commands", "generate", "prompts", "chat_session", "resolve", "family", "demo_model",
-    "app", "convert", "benchmarks",
+    "gguf_cache", "folder_check", "app", "convert", "benchmarks",
 )  # fmt: skip
 TOP_LEVEL_FOLDERS = ("app", "convert", "benchmarks")  # where the installed mlxevict.app/... live in the checkout
 
