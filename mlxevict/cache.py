@@ -22,12 +22,10 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_causal_mask
 
+from .defaults import DEFAULT_BUDGET, DEFAULT_SINKS, DEFAULT_WINDOW  # noqa: F401 (read from here too)
 from .kernels import compact_compiled, priority_compiled
 from .policies import Policy, make_policy
 
-DEFAULT_BUDGET = 2048
-DEFAULT_SINKS = 4
-DEFAULT_WINDOW = 32  # at most; never more than budget // 8 unless asked (or the policy says otherwise)
 DEFAULT_SLACK = 16  # at most; never more than budget // 16 unless asked
 GROW_STEP = 256
 PROMPT_PIN_SHARE = 0.75  # most of the evictable room a pinned prompt may take

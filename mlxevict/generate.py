@@ -24,6 +24,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import DEFAULT_BUDGET, EvictingKVCache
+from .defaults import DEFAULT_MAX_TOKENS
 from .errors import MlxEvictError
 from .events import Finished, FinishReason, Progress, TextChunk, TextKind
 from .kernels import prediction_entropy_compiled
@@ -31,7 +32,6 @@ from .make import make_cache
 from .stats import CacheStats, cache_stats
 from .telemetry import MemoryGuard, memory_snapshot
 
-DEFAULT_MAX_TOKENS = 4096
 DEFAULT_TEMP = 0.6  # DeepSeek-R1's recommended sampling for its distills
 DEFAULT_TOP_P = 0.95
 PREFILL_STEP_SIZE = 256
@@ -174,6 +174,8 @@ def stream_events(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     temp: float = DEFAULT_TEMP,
     top_p: float = DEFAULT_TOP_P,
+    top_k: int = 0,
+    min_p: float = 0.0,
     seed: Optional[int] = None,
     guard: Optional[MemoryGuard] = None,
     prefill_step_size: int = PREFILL_STEP_SIZE,
@@ -194,6 +196,7 @@ def stream_events(
             so a second call continues the same context. ``None``: mlx-lm's ``KVCache``.
         max_tokens: most tokens to generate. Default 4096.
         temp, top_p: sampling, as mlx-lm's ``make_sampler``. Default 0.6, 0.95.
+        top_k, min_p: as mlx-lm's ``make_sampler``; 0 turns each off. Default 0, 0.
         seed: seeds MLX's random generator for reproducible sampling.
         guard: a :class:`MemoryGuard`; entered for the turn and checked every few tokens.
         prefill_step_size: prompt tokens per model call. Default 256.
@@ -277,7 +280,7 @@ def stream_events(
         mx.array(tokens),
         model,
         max_tokens=max_tokens,
-        sampler=make_sampler(temp=temp, top_p=top_p),
+        sampler=make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k),
         logits_processors=logits_processors,
         prompt_cache=caches,
         prefill_step_size=prefill_step_size,
@@ -350,7 +353,7 @@ class ChatSession:
         policy, budget: the evicting cache's; see ``make_cache``. Default policy
             ``"default"``, budget 2048.
         system: an optional system message.
-        max_tokens, temp, top_p, seed, guard: per turn, see :func:`stream_events`.
+        max_tokens, temp, top_p, top_k, min_p, seed, guard: per turn, see :func:`stream_events`.
         cache_options: ``sinks``, ``window``, ``slack``, ``prompt_mode`` for ``make_cache``.
 
     Raises:
@@ -368,6 +371,8 @@ class ChatSession:
         max_tokens: int = DEFAULT_MAX_TOKENS,
         temp: float = DEFAULT_TEMP,
         top_p: float = DEFAULT_TOP_P,
+        top_k: int = 0,
+        min_p: float = 0.0,
         seed: Optional[int] = None,
         guard: Optional[MemoryGuard] = None,
         **cache_options: Any,
@@ -375,6 +380,7 @@ class ChatSession:
         self.model, self.tokenizer = model, as_wrapper(tokenizer)
         self.system = system
         self.max_tokens, self.temp, self.top_p, self.guard = max_tokens, temp, top_p, guard
+        self.top_k, self.min_p = top_k, min_p
         self.messages: list[dict] = []
         self.caches: Optional[list[Any]] = None
         self._seed = seed
@@ -475,6 +481,7 @@ class ChatSession:
             raise MlxEvictError("empty message")
         tokens = self._turn_tokens(text)
         options = dict(max_tokens=self.max_tokens, temp=self.temp, top_p=self.top_p, seed=self._seed)
+        options.update(top_k=self.top_k, min_p=self.min_p)
         options.update(overrides)
         self._stop.clear()
         events = stream_events(

@@ -46,6 +46,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .cache import DEFAULT_BUDGET, GROW_STEP, EvictingKVCache, default_window, fit_slots
+from .defaults import DEFAULT_GROUP_SIZE
 from .policies import Policy
 
 KV_BITS = (8, 4)
@@ -55,7 +56,6 @@ SPLIT_BITS = (5, 3)  # keys finer than values, at the bytes of 4 bits: the keys 
 # A block of entries: model-dtype ``(B, H, N, D)``, or ``mx.quantize``'s (packed, scales, biases).
 Entries = Union[mx.array, tuple[mx.array, mx.array, mx.array]]
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize supports
-DEFAULT_GROUP_SIZE = 64  # mlx-lm's --kv-group-size default
 
 
 def check_storage(

@@ -21,12 +21,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import psutil
 
+from .defaults import FAMILY_NAME
 from .demo_model import cache_dir, demo_model_path
 from .errors import MlxEvictError
 from .patch import SUPPORTED_ARCHITECTURES
 from .telemetry import format_bytes, read_config
 
-FAMILY_NAME = "mlx-community/DeepSeek-R1-Distill"
 DEMO_NAME = "demo"
 USEFUL_BUDGET = 4096  # KV entries a reasoning model needs to think usefully with eviction
 OVERHEAD_BYTES = 1 * 1000**3  # tokenizer, the Python process, prefill buffers

@@ -6,26 +6,21 @@ import argparse
 import sys
 from typing import TextIO
 
+from typing import TYPE_CHECKING
+
 from ..errors import MlxEvictError
-from ..events import Finished, TextChunk
-from ..generate import ChatSession
 from ..policies import policy_names
-from ..quantized import bits_label
-from ..telemetry import MemoryGuard, parse_budget
-from .common import (
-    STORAGE_KEYS,
-    TextPrinter,
+from .flags import (
     add_cache_options,
     add_model_argument,
     add_sampling_options,
-    budget_option,
-    cache_storage,
-    check_sampling,
-    load,
-    resolve_budget,
-    stats_line,
-    storage_options,
+    add_template_options,
+    say_loading,
 )
+from .sampling import check_sampling
+
+if TYPE_CHECKING:
+    from ..generate import ChatSession
 
 HELP = """\
 commands:
@@ -62,19 +57,28 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_model_argument(parser)
     parser.add_argument("--plain", action="store_true", help="a line-mode REPL instead of the TUI")
-    parser.add_argument("--system", help="a system message")
     parser.add_argument("--hide-reasoning", action="store_true", help="do not print the reasoning (--plain)")
+    add_template_options(parser, template=False)
     add_cache_options(parser)
     add_sampling_options(parser)
     parser.set_defaults(func=run_chat)
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    request = budget_option(args)
     check_sampling(args)
+    say_loading(args)
+    from ..generate import ChatSession
+    from ..telemetry import MemoryGuard
+    from .common import budget_option, cache_storage, load, report, resolve_budget, storage_options
+    from .sampling import resolve_sampling
+
+    request = budget_option(args)
     storage_options(args)  # bad storage options fail before a model loads
     resolved, model, tokenizer = load(args)
     storage = cache_storage(args, request, model)
+    sampling, note = resolve_sampling(args, resolved.path)
+    if note:
+        report(note)
     session = ChatSession(
         model,
         tokenizer,
@@ -82,12 +86,11 @@ def run_chat(args: argparse.Namespace) -> int:
         budget=resolve_budget(request, model, **storage),
         system=args.system,
         max_tokens=args.max_tokens,
-        temp=args.temp,
-        top_p=args.top_p,
         seed=args.seed,
         guard=MemoryGuard(),
         sinks=args.sinks,
         window=args.window,
+        **sampling,
         **storage,
     )
     if args.plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
@@ -99,8 +102,11 @@ def run_chat(args: argparse.Namespace) -> int:
     return int(run_chat_app(session, model_name=resolved.name) or 0)
 
 
-def command(session: ChatSession, line: str, err: TextIO) -> bool:
+def command(session: "ChatSession", line: str, err: TextIO) -> bool:
     """Run a ``/command``; ``False`` means quit."""
+    from ..telemetry import parse_budget
+    from .common import STORAGE_KEYS, resolve_budget
+
     name, _, value = line.partition(" ")
     value = value.strip()
     if name in ("/quit", "/exit"):
@@ -127,7 +133,10 @@ def command(session: ChatSession, line: str, err: TextIO) -> bool:
     return True
 
 
-def turn(session: ChatSession, text: str, out: TextIO, err: TextIO, show_reasoning: bool) -> None:
+def turn(session: "ChatSession", text: str, out: TextIO, err: TextIO, show_reasoning: bool) -> None:
+    from ..events import Finished, TextChunk
+    from .common import TextPrinter, stats_line
+
     printer = TextPrinter(out, err, show_reasoning=show_reasoning)
     events = session.send(text)
     finished = None
@@ -148,8 +157,10 @@ def turn(session: ChatSession, text: str, out: TextIO, err: TextIO, show_reasoni
     print(stats_line(finished), file=err, flush=True)
 
 
-def repl(session: ChatSession, name: str, inp: TextIO, out: TextIO, err: TextIO, *, show_reasoning: bool = True) -> int:
+def repl(session: "ChatSession", name: str, inp: TextIO, out: TextIO, err: TextIO, *, show_reasoning: bool = True) -> int:
     """Read messages line by line until EOF or ``/quit``; 130 on Ctrl-C at the prompt."""
+    from ..quantized import bits_label
+
     prompt = inp is sys.stdin and inp.isatty()
     kv_bits = session.cache_options.get("kv_bits")
     storage = f", KV in {bits_label(kv_bits)}" if kv_bits else ""

@@ -25,7 +25,7 @@ from ..telemetry import (
     storage_nbytes,
     weights_nbytes,
 )
-from .common import add_model_argument
+from .flags import add_model_argument
 
 PLAN_TOKENS = (8 * 1024, 32 * 1024, 128 * 1024)
 
