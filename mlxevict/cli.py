@@ -49,6 +49,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+NO_REEXEC = {"-h", "--help", "--version"}
+
+
 def command_of(argv: Sequence[str]) -> Optional[str]:
     """The command named in ``argv``: its first word that is not a top-level option."""
     return next((arg for arg in argv if not arg.startswith("-")), None)
@@ -101,9 +104,11 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:
-        # Only the real command re-executes (tests call main with a list); nothing heavy is imported yet.
-        reexec_with_openblas(sys.argv[1:])
         argv = sys.argv[1:]
+        # Only the real command re-executes (tests call main with a list), before anything heavy is
+        # imported, and not to print help or the version (no BLAS call there).
+        if not NO_REEXEC.intersection(argv):
+            reexec_with_openblas(argv)
     argv = [str(arg) for arg in argv]
     command = command_of(argv)
     parser = build_parser(command)

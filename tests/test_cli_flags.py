@@ -247,3 +247,25 @@ def test_cache_prompt_then_generate_continues_it(capsys, tiny, tmp_path):
     assert rc == 1 and "was written with the model in" in err
     rc, _, err = run(capsys, "generate", "--prompt-cache-file", saved, "-p", question, "--budget", "64")
     assert rc == 1 and "a saved cache keeps its own settings; drop --budget" in err
+
+
+# ---- the demo model ------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_demo_model_answers_greedily_by_default(capsys):
+    """No generation_config.json: mlx-lm's greedy default, so the README's question stops with the answer."""
+    result = generate_json(capsys, "-p", PROMPT, "--budget", "96")
+    assert result["finish_reason"] == "stop" and "Paris" in result["answer"] and result["generated_tokens"] < 40
+
+
+@pytest.mark.slow
+def test_demo_model_continues_a_saved_prompt(capsys, tmp_path, smollm_path):
+    from mlx_lm.models.cache import load_prompt_cache
+
+    saved = tmp_path / "facts.safetensors"
+    facts = "Remember these facts. The pass key is 4721. The sky is green today."
+    rc, _, err = run(capsys, "cache-prompt", smollm_path, "--prompt-cache-file", saved, "-p", facts, "--max-kv-size", "256")
+    assert rc == 0, err
+    _, meta = load_prompt_cache(str(saved), return_metadata=True)  # mlx-lm's reader, mlx-lm's keys
+    assert meta["model"] == str(smollm_path) and meta["tokenizer_config"] == "{}"
+    result = generate_json(capsys, "--prompt-cache-file", saved, "-p", " What is the pass key?", "-m", "30")
+    assert result["finish_reason"] == "stop" and "4721" in result["answer"]

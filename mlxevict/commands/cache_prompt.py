@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MlxEvictError
-from .flags import add_cache_options, add_model_argument, add_template_options
+from .flags import add_cache_options, add_model_argument, add_template_options, say_loading
 
 _EPILOG = """\
 The prompt is read into an evicting cache under --budget (the chat template's
@@ -36,7 +36,7 @@ def add_cache_prompt_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_argument(parser)
-    parser.add_argument("-p", "--prompt", help="the prompt; default: read stdin")
+    parser.add_argument("-p", "--prompt", help="the prompt; - or none: read stdin (as mlx_lm.cache_prompt's -)")
     parser.add_argument("--prompt-cache-file", required=True, metavar="FILE", help="the .safetensors file to write")
     add_template_options(parser)
     add_cache_options(parser)
@@ -54,6 +54,7 @@ def metadata(args: argparse.Namespace, resolved: Any) -> dict[str, str]:
 
 
 def run_cache_prompt(args: argparse.Namespace) -> int:
+    say_loading(args)
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import save_prompt_cache
@@ -63,7 +64,7 @@ def run_cache_prompt(args: argparse.Namespace) -> int:
 
     request = budget_option(args)
     storage_options(args)
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
     if not prompt.strip():
         raise MlxEvictError("empty prompt: give some text with -p or on stdin")
     resolved, model, tokenizer = load(args)
