@@ -169,11 +169,13 @@ def _legend_name(name: str, default_policy: str) -> str:
     return f"{name} (default)" if canonical(name, default_policy) == default_policy else name
 
 
-def _percent_axis(ax) -> None:
-    """A log2 x axis labelled in percent (12.5%, 25%, 50%, 100%)."""
+def _percent_axis(ax, smallest: float) -> None:
+    """A log2 x axis labelled in percent (12.5%, 25%, 50%, 100%), from the power of 2 under ``smallest``
+    to 100%, the same in every panel."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
     ax.set_xscale("log", base=2)
+    ax.set_xlim(2 ** math.floor(math.log2(smallest)) / 1.15, 1.15)
     ax.xaxis.set_major_locator(LogLocator(base=2))
     ax.xaxis.set_minor_locator(NullLocator())
     ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: percent(value)))
@@ -202,6 +204,7 @@ def quality_figure(rows: list[dict[str, Any]], *, x, xlabel: str, title: str, de
     for r in rows:
         by_cache.setdefault(r["cache"], []).append(r)
     panels = groups(by_cache, default_policy)
+    smallest = min((x(r) for r in rows if x(r)), default=0.125)
     fig, axes = plt.subplots(len(panels), len(QUALITY_METRICS), figsize=(15, 3.4 * len(panels)), squeeze=False)
     for row_axes, (group, names) in zip(axes, panels):
         for ax, (key, metric) in zip(row_axes, QUALITY_METRICS):
@@ -216,7 +219,7 @@ def quality_figure(rows: list[dict[str, Any]], *, x, xlabel: str, title: str, de
                         [p[0] for p in pts], [p[1] for p in pts], label=_legend_name(name, default_policy),
                         markersize=5, linewidth=1.4, **style(name, default_policy).kwargs(),
                     )  # fmt: skip
-            _percent_axis(ax)
+            _percent_axis(ax, smallest)
             if log_kl and key == "fidelity_kl":
                 ax.set_yscale("log")
             ax.set_title(f"{metric}: {group}", fontsize=10)
