@@ -105,6 +105,23 @@ def test_a_cache_saved_in_one_process_loads_after_a_bare_import_mlxevict(tmp_pat
         assert result.stdout.split() == [name, "40"]
 
 
+def test_loading_is_said_on_a_terminal(capsys, tiny, monkeypatch):
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        with open(follower, "w", closefd=False) as terminal:
+            monkeypatch.setattr(sys, "stderr", terminal)
+            assert main(["generate", str(tiny), "-p", "hi", "-m", "2", "--json"]) == 0
+            terminal.flush()
+        said = os.read(leader, 65536).decode()
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert said.startswith(f"mlxevict: loading {tiny} ...")
+
+
 # ---- unknown flags and commands -----------------------------------------------------------------------
 @pytest.mark.parametrize(
     "args, expected",
