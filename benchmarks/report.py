@@ -291,8 +291,9 @@ def memory_figure(results: dict[str, Any]):
             for name in names:
                 rows = sorted(by_cache[name], key=lambda r: r["context"])
                 ax.plot(
-                    [r["context"] for r in rows], [r[key] / MIB for r in rows], label=_legend_name(name, default_policy),
-                    markersize=5, linewidth=1.4, **style(name, default_policy).kwargs(),
+                    [r["context"] for r in rows], [r[key] / MIB for r in rows],
+                    label=_legend_name(name, default_policy), markersize=5, linewidth=1.4,
+                    **style(name, default_policy).kwargs(),
                 )  # fmt: skip
             ax.set_xscale("log", base=2)
             contexts = sorted({r["context"] for r in results["context"]})

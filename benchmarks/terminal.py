@@ -63,9 +63,12 @@ def render(markdown: str, width: int) -> str:
         rows = [_cells(lines[0]), *(_cells(line) for line in lines[2:])]
         widths = [_width([row[i] for row in rows]) for i in range(len(rows[0]))]
         for chunk in _chunks(widths, width, GAP):
-            table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, GAP // 2), collapse_padding=True)
+            table = Table(
+                box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, GAP // 2), collapse_padding=True
+            )
             for i in (0, *chunk):
-                table.add_column(rows[0][i], justify="left" if i == 0 else "right", min_width=widths[i], max_width=widths[i])
+                justify = "left" if i == 0 else "right"
+                table.add_column(rows[0][i], justify=justify, min_width=widths[i], max_width=widths[i])
             for row in rows[1:]:
                 table.add_row(*(row[i] for i in (0, *chunk)))
             console.print(table)

@@ -24,7 +24,11 @@ from .openblas import reexec_with_openblas
 # Each adder sets ``func`` on its parser.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "generate": ("mlxevict.commands.generate", "add_generate_parser", "generate one answer with an evicting KV cache"),
-    "chat": ("mlxevict.commands.chat", "add_chat_parser", "chat with a model in the TUI (or line by line with --plain)"),
+    "chat": (
+        "mlxevict.commands.chat",
+        "add_chat_parser",
+        "chat with a model in the TUI (or line by line with --plain)",
+    ),
     "cache-prompt": (
         "mlxevict.commands.cache_prompt",
         "add_cache_prompt_parser",

@@ -126,7 +126,7 @@ def test_loading_is_said_on_a_terminal(capsys, tiny, monkeypatch):
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["generate", "--temperature", "0.5"], "mlxevict generate: error: unknown option --temperature; did you mean --temp?"),
+        (["generate", "--temperature", "0.5"], "generate: error: unknown option --temperature; did you mean --temp?"),
         (["generate", "--sytem-prompt", "x"], "did you mean --system-prompt?"),
         (["chat", "--budgets", "64"], "mlxevict chat: error: unknown option --budgets; did you mean --budget?"),
         (["genrate", "-p", "hi"], "mlxevict: error: unknown command 'genrate'; did you mean generate?"),
@@ -226,7 +226,8 @@ def test_chat_template_args_reach_the_template(capsys, switch):
     thinking = generate_json(capsys, switch, "-p", PROMPT, "-m", "8", "--temp", "0")
     assert thinking["answer"] == "" and thinking["reasoning"]  # the template opened <think>
     for flag in ("--chat-template-args", "--chat-template-config"):
-        plain = generate_json(capsys, switch, "-p", PROMPT, "-m", "8", "--temp", "0", flag, '{"enable_thinking": false}')
+        off = '{"enable_thinking": false}'
+        plain = generate_json(capsys, switch, "-p", PROMPT, "-m", "8", "--temp", "0", flag, off)
         assert plain["reasoning"] == "" and plain["answer"] and plain["prompt_tokens"] == thinking["prompt_tokens"] - 2
 
 
@@ -280,7 +281,9 @@ def test_demo_model_continues_a_saved_prompt(capsys, tmp_path, smollm_path):
 
     saved = tmp_path / "facts.safetensors"
     facts = "Remember these facts. The pass key is 4721. The sky is green today."
-    rc, _, err = run(capsys, "cache-prompt", smollm_path, "--prompt-cache-file", saved, "-p", facts, "--max-kv-size", "256")
+    rc, _, err = run(
+        capsys, "cache-prompt", smollm_path, "--prompt-cache-file", saved, "-p", facts, "--max-kv-size", "256"
+    )
     assert rc == 0, err
     _, meta = load_prompt_cache(str(saved), return_metadata=True)  # mlx-lm's reader, mlx-lm's keys
     assert meta["model"] == str(smollm_path) and meta["tokenizer_config"] == "{}"

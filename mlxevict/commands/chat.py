@@ -157,7 +157,9 @@ def turn(session: "ChatSession", text: str, out: TextIO, err: TextIO, show_reaso
     print(stats_line(finished), file=err, flush=True)
 
 
-def repl(session: "ChatSession", name: str, inp: TextIO, out: TextIO, err: TextIO, *, show_reasoning: bool = True) -> int:
+def repl(
+    session: "ChatSession", name: str, inp: TextIO, out: TextIO, err: TextIO, *, show_reasoning: bool = True
+) -> int:
     """Read messages line by line until EOF or ``/quit``; 130 on Ctrl-C at the prompt."""
     from ..quantized import bits_label
 

@@ -12,7 +12,14 @@ import json
 import sys
 from typing import Any, Optional
 
-from ..defaults import DEFAULT_BUDGET, DEFAULT_GROUP_SIZE, DEFAULT_MAX_TOKENS, DEFAULT_SINKS, DEFAULT_WINDOW, FAMILY_NAME
+from ..defaults import (
+    DEFAULT_BUDGET,
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SINKS,
+    DEFAULT_WINDOW,
+    FAMILY_NAME,
+)
 from ..errors import MlxEvictError
 from ..policies import policy_names
 
@@ -59,8 +66,11 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
         help="mlx-lm's name for a --budget of N tokens (here the cache evicts by --policy instead of rotating)",
     )
     group.add_argument(
-        "--window", type=int, default=None, help=f"recent tokens always kept (default: min({DEFAULT_WINDOW}, budget/8); "
-        "for the default policy min(64, budget/4))"
+        "--window",
+        type=int,
+        default=None,
+        help=f"recent tokens always kept (default: min({DEFAULT_WINDOW}, budget/8); "
+        "for the default policy min(64, budget/4))",
     )
     group.add_argument(
         "--sinks", type=int, default=DEFAULT_SINKS, help="first tokens always kept (default %(default)s)"
@@ -106,11 +116,18 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "-m", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="most tokens to generate (default %(default)s)"
     )
-    group.add_argument("--temp", type=float, default=None, help=f"sampling temperature, 0 = greedy ({SAMPLING_DEFAULTS}: 0)")
-    group.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass ({SAMPLING_DEFAULTS}: 1)")
-    group.add_argument("--top-k", type=int, default=None, help=f"sample from the k likeliest tokens, 0 = all ({SAMPLING_DEFAULTS}: 0)")
     group.add_argument(
-        "--min-p", type=float, default=None, help=f"drop tokens under min-p x the top probability ({SAMPLING_DEFAULTS}: 0)"
+        "--temp", type=float, default=None, help=f"sampling temperature, 0 = greedy ({SAMPLING_DEFAULTS}: 0)"
+    )
+    group.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass ({SAMPLING_DEFAULTS}: 1)")
+    group.add_argument(
+        "--top-k", type=int, default=None, help=f"sample from the k likeliest tokens, 0 = all ({SAMPLING_DEFAULTS}: 0)"
+    )
+    group.add_argument(
+        "--min-p",
+        type=float,
+        default=None,
+        help=f"drop tokens under min-p x the top probability ({SAMPLING_DEFAULTS}: 0)",
     )
     group.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
 
@@ -144,13 +161,14 @@ def add_template_options(parser: argparse.ArgumentParser, *, template: bool = Tr
 
 def template_args_option(text: str) -> dict[str, Any]:
     """``--chat-template-args``: a JSON object."""
+    example = """'{"enable_thinking": false}'"""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({err.msg}); give an object such as "
-                                         '\'{"enable_thinking": false}\'') from None
+        message = f"{text!r} is not JSON ({err.msg}); give an object such as {example}"
+        raise argparse.ArgumentTypeError(message) from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object; give one such as '{{\"enable_thinking\": false}}'")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object; give one such as {example}")
     return value
 
 
