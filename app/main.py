@@ -24,7 +24,7 @@ from textual.worker import Worker, WorkerFailed, get_current_worker
 
 from mlxevict.events import Finished, Progress, TextChunk
 from mlxevict.kvstorage import KVStorage
-from mlxevict.telemetry import memory_snapshot
+from mlxevict.memory import memory_snapshot
 
 from .commands import ChatCommands
 from .conversation import Conversation, ModelTurn, describe_error, welcome_text
@@ -375,7 +375,7 @@ def make_app(
         session: a chat session.
         model_name: shown in the header.
         memory_source: returns a ``MemorySnapshot`` for the idle panel. Default:
-            ``mlxevict.telemetry.memory_snapshot``; None: no idle readings.
+            ``mlxevict.memory.memory_snapshot``; None: no idle readings.
         options: ``clock``, ``update_interval``, ``save_dir`` (see :class:`ChatApp`).
 
     Returns:

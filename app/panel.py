@@ -18,7 +18,7 @@ from mlxevict.events import Progress
 from mlxevict.policies import DEFAULT_POLICY
 from mlxevict.kvstorage import bits_label
 from mlxevict.stats import CacheStats
-from mlxevict.telemetry import MemorySnapshot
+from mlxevict.memory import MemorySnapshot
 
 from .gauges import GiB, Gauge, Segment, format_bytes, format_count, scale_line
 

@@ -15,6 +15,10 @@ from typing import Any, Callable
 from .caches import CacheSettings, cache_names, parse_names
 
 DEFAULT_OUT = Path("out")
+# --quick with --policies all: the default policy (also in 5/3 bits), two others and mlx-lm's caches,
+# so `eval --quick` takes under 5 minutes and `bench --quick` under 3 on a 2-core CPU (docs/cli.md).
+QUICK_EVAL = ("kvcache", "rotating", "quantized4", "{default}", "window", "entropy", "{default}:k5v3w8")
+QUICK_BENCH = ("kvcache", "rotating", "quantized4", "default", "entropy")
 
 
 class ProgressBar:
@@ -65,7 +69,12 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="an MLX folder, a .gguf file, a repo id, or 'demo'")
-    parser.add_argument("--quick", action="store_true", help="a few-minute run that checks the harness end to end")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few-minute run that checks the harness end to end: smaller tasks and, with --policies all, "
+        "a handful of caches",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default: ./out)")
     parser.add_argument(
         "--policies",
@@ -148,12 +157,21 @@ def _finish(results: dict[str, Any], write: Callable[[dict[str, Any], Path], lis
     return 0
 
 
+def _quick_all(args: argparse.Namespace) -> bool:
+    return args.quick and args.policies == "all"
+
+
 def _run_eval(args: argparse.Namespace) -> int:
     from .quality import EvalConfig, run_eval
     from .report import eval_markdown, write_eval
+    from .terminal import show
 
-    names = tuple(parse_names(args.policies, storage=True))
-    quick = dict(context=192, retrieval=2, fidelity=1, generation=2, prompt_tokens=100, new_tokens=16) if args.quick else {}
+    from mlxevict.policies import DEFAULT_POLICY
+
+    policies = ",".join(QUICK_EVAL).format(default=DEFAULT_POLICY) if _quick_all(args) else args.policies
+    names = tuple(parse_names(policies, storage=True))
+    quick = dict(context=192, retrieval=2, fidelity=1, generation=2, prompt_tokens=100, new_tokens=16,
+                 fractions=(0.5, 0.25)) if args.quick else {}  # fmt: skip
     given = {
         k: v
         for k, v in dict(context=args.context, fractions=args.budgets, new_tokens=args.new_tokens).items()
@@ -166,16 +184,18 @@ def _run_eval(args: argparse.Namespace) -> int:
     results = run_eval(model, tokenizer, config, bar)
     bar.close()
     results.update(_meta(args, model_name, time.perf_counter() - started))
-    print(eval_markdown(results))
+    show(eval_markdown(results))
     return _finish(results, write_eval, args.out)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
     from .report import bench_markdown, write_bench
+    from .terminal import show
     from .speed import BenchConfig, CONTEXT_NAMES, run_bench
 
-    names = tuple(parse_names(args.policies))
-    context_names = CONTEXT_NAMES if args.policies == "all" else names
+    policies = ",".join(QUICK_BENCH) if _quick_all(args) else args.policies
+    names = tuple(parse_names(policies))
+    context_names = CONTEXT_NAMES if args.policies == "all" and not args.quick else names
     quick = dict(new_tokens=40, segment=10, contexts=(128, 256), probe_tokens=4, budget=64) if args.quick else {}
     given = {
         k: v
@@ -194,5 +214,5 @@ def _run_bench(args: argparse.Namespace) -> int:
     results = run_bench(model, config, bar)
     bar.close()
     results.update(_meta(args, model_name, time.perf_counter() - started))
-    print(bench_markdown(results))
+    show(bench_markdown(results))
     return _finish(results, write_bench, args.out)

@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     md = args.out / "kv_bits.md"
     md.write_text(markdown(results))
-    title = f"quality per KV byte: evict and quantize ({results['model']})"
+    title = f"evict and quantize: quality vs KV bytes ({results['model']})"
     png = plot_bytes(results["quality"]["rows"], args.out / "kv_bits.png", title)
     for path in (write_json(results, args.out / "kv_bits.json"), md, png):
         print(path)

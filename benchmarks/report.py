@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+from .style import DEFAULT_POLICY, canonical, groups, percent, style
+
 KIB, MIB = 1024, 1024**2
 QUALITY_METRICS = (
     ("retrieval_accuracy", "retrieval accuracy"),
@@ -161,79 +163,100 @@ def _pyplot():
     return plt
 
 
-def plot_eval(results: dict[str, Any], path: Path) -> Path:
-    """Retrieval accuracy, fidelity top-1 and KL vs kept fraction, one line per cache."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(QUALITY_METRICS), figsize=(15, 4.5))
-    by_cache: dict[str, list[dict[str, Any]]] = {}
-    for r in results["rows"]:
-        by_cache.setdefault(r["cache"], []).append(r)
-    colors = plt.get_cmap("tab20").colors
-    for ax, (key, title) in zip(axes, QUALITY_METRICS):
-        for i, (name, rows) in enumerate(by_cache.items()):
-            pts = [(_kept(r), r[key]) for r in rows if r[key] is not None and not _isnan(r[key])]
-            if not pts:
-                continue
-            pts.sort()
-            mlx_lm = rows[0]["kind"] == "mlx-lm"
-            ax.plot(
-                [p[0] for p in pts], [p[1] for p in pts], "s--" if mlx_lm else "o-",
-                label=name, markersize=4, color=colors[i % len(colors)],
-            )  # fmt: skip
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel(
-            "budget (fraction of a 16-bit full cache's KV bytes)"
-            if results["config"].get("budgets_of") == "memory"
-            else "kept fraction (budget / context; bytes for quantized)"
-        )
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    max(axes, key=lambda ax: len(ax.get_lines())).legend(fontsize=7, ncol=2)
-    fig.suptitle(f"mlxevict eval: quality vs memory ({results.get('model', '')})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _legend_name(name: str, default_policy: str) -> str:
+    if name == "default":
+        return f"default ({default_policy})"
+    return f"{name} (default)" if canonical(name, default_policy) == default_policy else name
+
+
+def _percent_axis(ax, smallest: float) -> None:
+    """A log2 x axis labelled in percent (12.5%, 25%, 50%, 100%), from the power of 2 under ``smallest``
+    to 100%, the same in every panel."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.set_xlim(2 ** math.floor(math.log2(smallest)) / 1.15, 1.15)
+    ax.xaxis.set_major_locator(LogLocator(base=2))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: percent(value)))
+
+
+def plot_quality(rows: list[dict[str, Any]], path: Path, **options: Any) -> Path:
+    """:func:`quality_figure` saved to ``path``."""
+    return _save(quality_figure(rows, **options), path)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight": the legends outside the panels stay in
+    _pyplot().close(fig)
     return path
 
 
-def plot_bytes(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
-    """Retrieval, fidelity top-1 and KL vs KV bytes relative to a 16-bit full cache, one line per cache.
+def quality_figure(rows: list[dict[str, Any]], *, x, xlabel: str, title: str, default_policy: str, log_kl: bool):
+    """Retrieval, fidelity top-1 and KL (columns) against ``x(row)``, one row of panels per group of caches.
 
-    The quality-per-byte frontier: eviction, quantization and both on one axis
-    (``kv_fraction_16bit``), mlx-lm's caches dashed. KL is drawn on a log scale,
-    with zero (the full cache) at 1e-5.
+    Each cache keeps its colour, marker and line style (``benchmarks.style``); a row holds at most
+    ``MAX_SERIES`` of them, with the default policy and the full cache as references, and its legend
+    sits outside the panels. With ``log_kl``, KL is on a log scale with zero drawn at 1e-5.
     """
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(QUALITY_METRICS), figsize=(15, 4.5))
     by_cache: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by_cache.setdefault(r["cache"], []).append(r)
-    colors = plt.get_cmap("tab20").colors
-    for ax, (key, metric) in zip(axes, QUALITY_METRICS):
-        for i, (name, group) in enumerate(by_cache.items()):
-            pts = sorted(
-                (r["kv_fraction_16bit"], max(r[key], 1e-5) if key == "fidelity_kl" else r[key])
-                for r in group
-                if r[key] is not None and not _isnan(r[key]) and r["kv_fraction_16bit"] is not None
-            )
-            if not pts:
-                continue
-            ax.plot(
-                [p[0] for p in pts], [p[1] for p in pts], "s--" if group[0]["kind"] == "mlx-lm" else "o-",
-                label=name, markersize=4, color=colors[i % len(colors)],
-            )  # fmt: skip
-        ax.set_xscale("log", base=2)
-        if key == "fidelity_kl":
-            ax.set_yscale("log")
-        ax.set_xlabel("KV bytes / 16-bit full cache")
-        ax.set_title(metric)
-        ax.grid(alpha=0.3)
-    max(axes, key=lambda ax: len(ax.get_lines())).legend(fontsize=7, ncol=2)
+    panels = groups(by_cache, default_policy)
+    smallest = min((x(r) for r in rows if x(r)), default=0.125)
+    fig, axes = plt.subplots(len(panels), len(QUALITY_METRICS), figsize=(15, 3.4 * len(panels)), squeeze=False)
+    for row_axes, (group, names) in zip(axes, panels):
+        for ax, (key, metric) in zip(row_axes, QUALITY_METRICS):
+            for name in names:
+                pts = sorted(
+                    (x(r), max(r[key], 1e-5) if log_kl and key == "fidelity_kl" else r[key])
+                    for r in by_cache[name]
+                    if r[key] is not None and not _isnan(r[key]) and x(r) is not None
+                )
+                if pts:
+                    ax.plot(
+                        [p[0] for p in pts], [p[1] for p in pts], label=_legend_name(name, default_policy),
+                        markersize=5, linewidth=1.4, **style(name, default_policy).kwargs(),
+                    )  # fmt: skip
+            _percent_axis(ax, smallest)
+            if log_kl and key == "fidelity_kl":
+                ax.set_yscale("log")
+            ax.set_title(f"{metric}: {group}", fontsize=10)
+            ax.set_xlabel(xlabel, fontsize=9)
+            ax.grid(alpha=0.3)
+        row_axes[-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def plot_eval(results: dict[str, Any], path: Path) -> Path:
+    """``eval.png``: :func:`eval_figure` saved."""
+    return _save(eval_figure(results), path)
+
+
+def eval_figure(results: dict[str, Any]):
+    """Quality vs the kept fraction (or, with ``--memory``, vs the budget in KV memory)."""
+    memory = results["config"].get("budgets_of") == "memory"
+    xlabel = (
+        "budget (% of a 16-bit full cache's KV bytes)"
+        if memory
+        else "kept (% of the context's tokens; quantized: % of 16-bit bytes)"
+    )
+    what = "the KV memory budget" if memory else "kept fraction"
+    return quality_figure(
+        results["rows"], x=_kept, xlabel=xlabel, default_policy=results.get("default_policy", DEFAULT_POLICY),
+        title=f"mlxevict eval: quality vs {what} ({results.get('model', '')})", log_kl=False,
+    )  # fmt: skip
+
+
+def plot_bytes(rows: list[dict[str, Any]], path: Path, title: str, default_policy: str = DEFAULT_POLICY) -> Path:
+    """Quality vs KV bytes relative to a 16-bit full cache (the quality-per-byte frontier); KL on a log scale."""
+    return plot_quality(
+        rows, path, x=lambda r: r["kv_fraction_16bit"], xlabel="KV bytes (% of a 16-bit full cache's)",
+        title=title, default_policy=default_policy, log_kl=True,
+    )  # fmt: skip
 
 
 def _kept(row: dict[str, Any]) -> float:
@@ -250,30 +273,41 @@ def _isnan(x: Any) -> bool:
 
 
 def plot_memory(results: dict[str, Any], path: Path) -> Path:
-    """Peak memory and KV bytes vs context length, one line per cache."""
+    """``memory.png``: :func:`memory_figure` saved."""
+    return _save(memory_figure(results), path)
+
+
+def memory_figure(results: dict[str, Any]):
+    """Peak memory and KV bytes (columns) vs context length, one row of panels per group of caches."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    default_policy = results.get("default_policy", DEFAULT_POLICY)
     by_cache: dict[str, list[dict[str, Any]]] = {}
     for r in results["context"]:
         by_cache.setdefault(r["cache"], []).append(r)
-    for ax, key, title in zip(axes, ("peak_memory", "kv_bytes"), ("peak memory (MiB)", "KV cache (MiB)")):
-        for i, (name, rows) in enumerate(by_cache.items()):
-            rows = sorted(rows, key=lambda r: r["context"])
-            style = "s--" if rows[0]["kind"] == "mlx-lm" else "o-"
-            ax.plot(
-                [r["context"] for r in rows], [r[key] / MIB for r in rows], style,
-                label=name, markersize=4, color=plt.get_cmap("tab20").colors[i % 20],
-            )  # fmt: skip
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context length (tokens)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
-    fig.suptitle(f"mlxevict bench: memory vs context, budget {results['config']['budget']} ({results.get('model', '')})")
+    panels = groups(by_cache, default_policy)
+    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 3.4 * len(panels)), squeeze=False)
+    for row_axes, (group, names) in zip(axes, panels):
+        for ax, key, metric in zip(row_axes, ("peak_memory", "kv_bytes"), ("peak memory (MiB)", "KV cache (MiB)")):
+            for name in names:
+                rows = sorted(by_cache[name], key=lambda r: r["context"])
+                ax.plot(
+                    [r["context"] for r in rows], [r[key] / MIB for r in rows],
+                    label=_legend_name(name, default_policy), markersize=5, linewidth=1.4,
+                    **style(name, default_policy).kwargs(),
+                )  # fmt: skip
+            ax.set_xscale("log", base=2)
+            contexts = sorted({r["context"] for r in results["context"]})
+            ax.set_xticks(contexts, [str(c) for c in contexts])
+            ax.minorticks_off()
+            ax.set_xlabel("context length (tokens)", fontsize=9)
+            ax.set_ylabel(metric, fontsize=9)
+            ax.set_title(f"{metric}: {group}", fontsize=10)
+            ax.grid(alpha=0.3)
+        row_axes[-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+    budget = results["config"]["budget"]
+    fig.suptitle(f"mlxevict bench: memory vs context length, budget {budget} ({results.get('model', '')})")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def write_eval(results: dict[str, Any], out: Path) -> list[Path]:
@@ -281,12 +315,13 @@ def write_eval(results: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     md = out / "eval.md"
     md.write_text(eval_markdown(results))
-    title = f"mlxevict eval: quality per KV byte ({results.get('model', '')})"
+    title = f"mlxevict eval: quality vs KV bytes ({results.get('model', '')})"
+    default_policy = results.get("default_policy", DEFAULT_POLICY)
     return [
         write_json(results, out / "eval.json"),
         md,
         plot_eval(results, out / "eval.png"),
-        plot_bytes(results["rows"], out / "eval_bytes.png", title),
+        plot_bytes(results["rows"], out / "eval_bytes.png", title, default_policy),
     ]
 
 

@@ -7,43 +7,53 @@
     cache = mlxevict.make_cache(model, policy="entropy", budget=1024)
     generate(model, tokenizer, prompt, prompt_cache=cache, max_tokens=4096)
     print(mlxevict.cache_stats(cache))
+
+The names below load on first use, so ``import mlxevict`` (and the command
+line's ``--help``) does not import MLX or mlx-lm; mlx-lm's ``load_prompt_cache``
+still finds the cache classes (see :mod:`mlxevict.register`).
 """
 
-import mlx_lm.models.cache as _mlx_lm_cache
+from importlib import import_module
+from typing import Any
 
-from .cache import DEFAULT_BUDGET, EvictingKVCache
-from .load import load_cache
-from .make import make_cache, pin
-from .patch import SUPPORTED_ARCHITECTURES, patch, patched, unpatch
-from .policies import DEFAULT_POLICY, Policy, policy_names
-from .quantized import QuantizedEvictingKVCache
-from .stats import CacheStats, cache_stats
-from .kvstorage import KVStorage
-from .plan import CachePlan, plan_cache
+from .register import register_when_imported
 
 __version__ = "0.1.0"
 
-# mlx-lm's load_prompt_cache rebuilds caches by class name from its own module.
-_mlx_lm_cache.EvictingKVCache = EvictingKVCache
-_mlx_lm_cache.QuantizedEvictingKVCache = QuantizedEvictingKVCache
+# public name -> the module that defines it
+_EXPORTS = {
+    "make_cache": ".make",
+    "pin": ".make",
+    "cache_stats": ".stats",
+    "CacheStats": ".stats",
+    "EvictingKVCache": ".cache",
+    "QuantizedEvictingKVCache": ".quantized",
+    "Policy": ".policies",
+    "policy_names": ".policies",
+    "patch": ".patch",
+    "patched": ".patch",
+    "unpatch": ".patch",
+    "DEFAULT_BUDGET": ".cache",
+    "DEFAULT_POLICY": ".policies",
+    "SUPPORTED_ARCHITECTURES": ".patch",
+    "load_cache": ".load",
+    "KVStorage": ".kvstorage",
+    "CachePlan": ".plan",
+    "plan_cache": ".plan",
+}
 
-__all__ = [
-    "make_cache",
-    "cache_stats",
-    "CacheStats",
-    "EvictingKVCache",
-    "QuantizedEvictingKVCache",
-    "Policy",
-    "policy_names",
-    "pin",
-    "patch",
-    "patched",
-    "unpatch",
-    "load_cache",
-    "DEFAULT_BUDGET",
-    "DEFAULT_POLICY",
-    "SUPPORTED_ARCHITECTURES",
-    "KVStorage",
-    "CachePlan",
-    "plan_cache",
-]
+__all__ = list(_EXPORTS)
+
+register_when_imported()
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'mlxevict' has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

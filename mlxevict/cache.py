@@ -24,15 +24,13 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_causal_mask
 
+from .defaults import DEFAULT_BUDGET, DEFAULT_SINKS, DEFAULT_WINDOW  # noqa: F401 (read from here too)
 from .dense_storage import DenseStorage, fit_slots
 from .kernels import compact_compiled, priority_compiled
 from .pins import Pins
 from .policies import Policy, make_policy
 from .quantized_storage import QuantizedStorage
 
-DEFAULT_BUDGET = 2048
-DEFAULT_SINKS = 4
-DEFAULT_WINDOW = 32  # at most; never more than budget // 8 unless asked (or the policy says otherwise)
 DEFAULT_SLACK = 16  # at most; never more than budget // 16 unless asked
 GROW_STEP = 256  # slots storage grows by, as mlx-lm's KVCache
 MAX_CAPACITIES = 16  # most capacities an evicting cache passes through: bounds the kernels' traces

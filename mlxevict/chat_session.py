@@ -42,7 +42,7 @@ class ChatSession:
         policy, budget: the evicting cache's; see ``make_cache``. Default policy
             ``"default"``, budget 2048.
         system: an optional system message.
-        max_tokens, temp, top_p, seed, guard: per turn, see :func:`stream_events`.
+        max_tokens, temp, top_p, top_k, min_p, seed, guard: per turn, see :func:`stream_events`.
         storage_request: the storage asked for (``--kv-bits``), which a new budget keeps
             (:meth:`replan`); ``None``: the planner's rule (the dtype for tokens, its choice for memory).
             Default: the quantized storage of ``cache_options``, if any.
@@ -64,6 +64,8 @@ class ChatSession:
         max_tokens: int = DEFAULT_MAX_TOKENS,
         temp: float = DEFAULT_TEMP,
         top_p: float = DEFAULT_TOP_P,
+        top_k: int = 0,
+        min_p: float = 0.0,
         seed: Optional[int] = None,
         guard: Optional[MemoryGuard] = None,
         storage_request: "Optional[KVStorage] | str" = FROM_OPTIONS,
@@ -72,6 +74,7 @@ class ChatSession:
         self.model, self.tokenizer = model, as_wrapper(tokenizer)
         self.system = system
         self.max_tokens, self.temp, self.top_p, self.guard = max_tokens, temp, top_p, guard
+        self.top_k, self.min_p = top_k, min_p
         self.messages: list[dict] = []
         self.caches: Optional[list[Any]] = None
         self._seed = seed
@@ -218,6 +221,7 @@ class ChatSession:
             raise MlxEvictError("empty message")
         tokens = self._turn_tokens(text)
         options = dict(max_tokens=self.max_tokens, temp=self.temp, top_p=self.top_p, seed=self._seed)
+        options.update(top_k=self.top_k, min_p=self.min_p)
         options.update(overrides)
         self._stop.clear()
         events = stream_events(

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Tuple
 
 from .stats import CacheStats
-from .telemetry import MemorySnapshot
+from .memory import MemorySnapshot
 
 TextKind = Literal["reasoning", "answer"]
 FinishReason = Literal["stop", "length", "memory", "interrupted"]

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .budget import BudgetRequest, parse_budget
+from .defaults import FAMILY_NAME
 from .errors import MlxEvictError
 from .geometry import KVShape
 from .kvstorage import DTYPE, SPLIT_BITS, KVStorage
 from .memory import format_bytes
 
-FAMILY_NAME = "mlx-community/DeepSeek-R1-Distill"
 OVERHEAD_BYTES = 1 * 1000**3  # tokenizer, the Python process, prefill buffers
 OVERHEAD_SHARE = 0.10  # activations and MLX's buffer cache grow with the model
 HEADROOM = 2 * 1024**3  # left free after the model: the guard's 1 GiB margin + 1 GiB for other apps to grow

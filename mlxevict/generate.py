@@ -23,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from .cache import EvictingKVCache
+from .defaults import DEFAULT_MAX_TOKENS
 from .errors import MlxEvictError
 from .events import Finished, FinishReason, Progress, TextChunk
 from .geometry import context_limit
@@ -42,7 +43,6 @@ from .prompts import (  # noqa: F401 (also their old import path)
 )
 from .stats import CacheStats, cache_stats
 
-DEFAULT_MAX_TOKENS = 4096
 DEFAULT_TEMP = 0.6  # DeepSeek-R1's recommended sampling for its distills
 DEFAULT_TOP_P = 0.95
 PREFILL_STEP_SIZE = 256
@@ -73,6 +73,8 @@ def stream_events(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     temp: float = DEFAULT_TEMP,
     top_p: float = DEFAULT_TOP_P,
+    top_k: int = 0,
+    min_p: float = 0.0,
     seed: Optional[int] = None,
     guard: Optional[MemoryGuard] = None,
     prefill_step_size: int = PREFILL_STEP_SIZE,
@@ -93,6 +95,7 @@ def stream_events(
             so a second call continues the same context. ``None``: mlx-lm's ``KVCache``.
         max_tokens: most tokens to generate. Default 4096.
         temp, top_p: sampling, as mlx-lm's ``make_sampler``. Default 0.6, 0.95.
+        top_k, min_p: as mlx-lm's ``make_sampler``; 0 turns each off. Default 0, 0.
         seed: seeds MLX's random generator for reproducible sampling.
         guard: a :class:`MemoryGuard`; entered for the turn and checked every few tokens.
         prefill_step_size: prompt tokens per model call. Default 256.
@@ -176,7 +179,7 @@ def stream_events(
         mx.array(tokens),
         model,
         max_tokens=max_tokens,
-        sampler=make_sampler(temp=temp, top_p=top_p),
+        sampler=make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k),
         logits_processors=logits_processors,
         prompt_cache=caches,
         prefill_step_size=prefill_step_size,

@@ -15,12 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Union
 
+from .defaults import DEFAULT_GROUP_SIZE
+
 KV_BITS = (8, 4)  # one number for keys and values
 PAIR_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports, for a (key bits, value bits) pair
 KVBits = Union[int, tuple[int, int]]
 SPLIT_BITS = (5, 3)  # keys finer than values, at the bytes of 4 bits: the keys carry the error
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize supports
-DEFAULT_GROUP_SIZE = 64  # mlx-lm's --kv-group-size default
 WINDOW_BITS = (8,)
 NONE = "none"  # --kv-bits none: the model's dtype
 

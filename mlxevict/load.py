@@ -17,7 +17,7 @@ from mlx_lm.models.cache import load_prompt_cache
 
 from .cache import EvictingKVCache
 from .patch import patch
-from .quantized import model_head_dim
+from .geometry import model_head_dim
 
 
 def load_cache(path: str | Path, model: nn.Module, *, return_metadata: bool = False) -> Any:

@@ -4,28 +4,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from ..errors import MlxEvictError
-from ..events import Finished, TextChunk
-from ..generate import ChatSession
 from ..policies import policy_names
-from ..budget import parse_budget
-from ..kvstorage import bits_label
-from ..memory import MemoryGuard, format_bytes
-from ..stats import CacheStats
-from .common import (
-    TextPrinter,
+from .flags import (
     add_cache_options,
     add_model_argument,
     add_sampling_options,
-    budget_option,
-    check_sampling,
-    load,
-    plan_budget,
-    stats_line,
-    storage_flags,
+    add_template_options,
+    say_loading,
 )
+from .sampling import check_sampling
+
+if TYPE_CHECKING:
+    from ..chat_session import ChatSession
+    from ..stats import CacheStats
 
 HELP = """\
 commands:
@@ -62,19 +56,28 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_model_argument(parser)
     parser.add_argument("--plain", action="store_true", help="a line-mode REPL instead of the TUI")
-    parser.add_argument("--system", help="a system message")
     parser.add_argument("--hide-reasoning", action="store_true", help="do not print the reasoning (--plain)")
+    add_template_options(parser, template=False)
     add_cache_options(parser)
     add_sampling_options(parser)
     parser.set_defaults(func=run_chat)
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    request = budget_option(args)
     check_sampling(args)
+    from ..chat_session import ChatSession
+    from ..memory import MemoryGuard
+    from .common import budget_option, load, plan_budget, report, storage_flags
+    from .sampling import resolve_sampling
+
+    request = budget_option(args)
     storage = storage_flags(args)  # bad storage options fail before a model loads
+    say_loading(args)
     resolved, model, tokenizer = load(args)
     plan = plan_budget(model, request, storage)
+    sampling, note = resolve_sampling(args, resolved.path)
+    if note:
+        report(note)
     session = ChatSession(
         model,
         tokenizer,
@@ -82,13 +85,12 @@ def run_chat(args: argparse.Namespace) -> int:
         budget=plan.tokens,
         system=args.system,
         max_tokens=args.max_tokens,
-        temp=args.temp,
-        top_p=args.top_p,
         seed=args.seed,
         guard=MemoryGuard(),
         sinks=args.sinks,
         window=args.window,
         storage_request=storage,
+        **sampling,
         **plan.storage.options(),
     )
     if args.plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
@@ -100,8 +102,10 @@ def run_chat(args: argparse.Namespace) -> int:
     return int(run_chat_app(session, model_name=resolved.name) or 0)
 
 
-def command(session: ChatSession, line: str, err: TextIO) -> bool:
+def command(session: "ChatSession", line: str, err: TextIO) -> bool:
     """Run a ``/command``; ``False`` means quit."""
+    from ..budget import parse_budget
+
     name, _, value = line.partition(" ")
     value = value.strip()
     if name in ("/quit", "/exit"):
@@ -132,8 +136,11 @@ def command(session: ChatSession, line: str, err: TextIO) -> bool:
     return True
 
 
-def stats_text(c: CacheStats) -> str:
+def stats_text(c: "CacheStats") -> str:
     """``/stats`` as a person reads it: what the cache holds, has dropped, and costs."""
+    from ..kvstorage import bits_label
+    from ..memory import format_bytes
+
     bits = f", stored in {bits_label(c.kv_bits)}" if c.kv_bits else ""
     if c.kv_bits and c.full_precision_window:
         bits += f", the newest {c.full_precision_window} in {'8 bits' if c.window_bits else 'full precision'}"
@@ -143,7 +150,10 @@ def stats_text(c: CacheStats) -> str:
     )
 
 
-def turn(session: ChatSession, text: str, out: TextIO, err: TextIO, show_reasoning: bool) -> None:
+def turn(session: "ChatSession", text: str, out: TextIO, err: TextIO, show_reasoning: bool) -> None:
+    from ..events import Finished, TextChunk
+    from .common import TextPrinter, stats_line
+
     printer = TextPrinter(out, err, show_reasoning=show_reasoning)
     events = session.send(text)
     finished = None
@@ -164,7 +174,9 @@ def turn(session: ChatSession, text: str, out: TextIO, err: TextIO, show_reasoni
     print(stats_line(finished), file=err, flush=True)
 
 
-def repl(session: ChatSession, name: str, inp: TextIO, out: TextIO, err: TextIO, *, show_reasoning: bool = True) -> int:
+def repl(
+    session: "ChatSession", name: str, inp: TextIO, out: TextIO, err: TextIO, *, show_reasoning: bool = True
+) -> int:
     """Read messages line by line until EOF or ``/quit``; 130 on Ctrl-C at the prompt."""
     prompt = inp is sys.stdin and inp.isatty()
     storage = f", KV in {session.storage.label}" if session.storage.quantized else ""

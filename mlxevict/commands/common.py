@@ -1,4 +1,4 @@
-"""What the model-running commands share: the common options, loading, the budget, the stats line."""
+"""What the model-running commands share once they run: loading, the budget, the stats line (flags: ``flags``)."""
 
 from __future__ import annotations
 
@@ -8,110 +8,24 @@ import sys
 from typing import Any, Optional, TextIO
 
 from ..budget import DEFAULT_BUDGET_TEXT, BudgetRequest, parse_budget  # noqa: F401 (DEFAULT_BUDGET_TEXT: old path)
-from ..cache import DEFAULT_BUDGET, DEFAULT_SINKS, DEFAULT_WINDOW
 from ..chat_session import STORAGE_KEYS  # noqa: F401 (make_cache's storage arguments; old import path)
 from ..errors import MlxEvictError
 from ..events import Finished
-from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_TEMP, DEFAULT_TOP_P
-from ..kvstorage import DEFAULT_GROUP_SIZE, FLAGS, NONE, KVBits, KVStorage, bits_label, check, parse_bits
+from ..kvstorage import FLAGS, NONE, KVStorage, bits_label
 from ..make import make_cache
 from ..memory import format_bytes
 from ..plan import CachePlan, plan_cache
-from ..policies import policy_names
-from ..resolve import FAMILY_NAME, Resolved, load_model, resolve_model
-
-MODEL_HELP = (
-    f"an MLX model folder, a .gguf file, a Hugging Face repo id, or {FAMILY_NAME} "
-    "(the largest distill that fits this machine); default: the offline demo model (SmolLM2-135M-Instruct)"
+from ..resolve import Resolved, load_model, resolve_model
+from .flags import (  # noqa: F401 (the flags' old import path: other commands read them from here)
+    add_cache_options,
+    add_model_argument,
+    add_sampling_options,
+    kv_bits_option,
 )
+from .sampling import check_sampling  # noqa: F401 (its old import path)
+
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 KV_BITS_NONE = NONE  # --kv-bits none: the model's dtype, also under a budget in memory
-
-
-def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    """``MODEL`` (optional), and ``--debug`` also after the command name."""
-    parser.add_argument("model", metavar="MODEL", nargs="?", help=MODEL_HELP)
-    # SUPPRESS: an unset --debug here must not undo ``mlxevict --debug COMMAND``.
-    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
-
-
-def add_cache_options(parser: argparse.ArgumentParser) -> None:
-    """``--policy``, ``--budget``, ``--window``, ``--sinks`` and the storage: ``--kv-bits``, ``--kv-group-size``,
-    ``--fp-window``, ``--window-bits``."""
-    group = parser.add_argument_group("KV cache")
-    group.add_argument(
-        "--policy", default="default", choices=policy_names(), help="eviction policy (default: %(default)s)"
-    )
-    group.add_argument(
-        "--budget",
-        help="most KV entries per layer: tokens (2048), KV memory (1.5GB, 800MB) or auto (from free memory); "
-        f"default {DEFAULT_BUDGET}, at most the model's context",
-    )
-    group.add_argument(
-        "--window", type=int, default=None, help=f"recent tokens always kept (default: min({DEFAULT_WINDOW}, budget/8); "
-        "for the default policy min(64, budget/4))"
-    )
-    group.add_argument(
-        "--sinks", type=int, default=DEFAULT_SINKS, help="first tokens always kept (default %(default)s)"
-    )
-    group.add_argument(
-        "--kv-bits",
-        type=kv_bits_option,
-        default=None,
-        metavar="BITS",
-        help="store the kept KV entries in 8 or 4 bits, or keys and values apart as KEY,VALUE bits (5,3: the "
-        "bytes of 4 bits, keys finer); the newest --fp-window tokens stay in full precision; none: the model's "
-        "dtype. Default: the model's dtype for a --budget in tokens; for a --budget in memory (1.5GB, auto) the "
-        "dtype or 8 bits if that holds the model's whole context, else 5,3 with --window-bits 8 (the most per "
-        "byte)",
-    )
-    group.add_argument(
-        "--kv-group-size",
-        type=int,
-        default=None,
-        help=f"values per quantization scale and bias with --kv-bits: 32, 64 or 128 (default {DEFAULT_GROUP_SIZE})",
-    )
-    group.add_argument(
-        "--fp-window",
-        type=int,
-        default=None,
-        metavar="N",
-        help="with --kv-bits: the newest N tokens kept in full precision until they are folded in "
-        "(0 quantizes every token at once, as mlx-lm's --kv-bits does); default: min(32, budget/8)",
-    )
-    group.add_argument(
-        "--window-bits",
-        type=int,
-        choices=(8,),
-        default=None,
-        help="with --kv-bits under 8: store the --fp-window tokens in 8 bits instead of full precision "
-        "(half their bytes; on the test model almost the same quality)",
-    )
-
-
-def add_sampling_options(parser: argparse.ArgumentParser) -> None:
-    """``--max-tokens``, ``--temp``, ``--top-p``, ``--seed``."""
-    group = parser.add_argument_group("sampling")
-    group.add_argument(
-        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="most tokens to generate (default %(default)s)"
-    )
-    group.add_argument(
-        "--temp", type=float, default=DEFAULT_TEMP, help="sampling temperature, 0 = greedy (default %(default)s)"
-    )
-    group.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help="nucleus sampling mass (default %(default)s)")
-    group.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
-
-
-def check_sampling(args: argparse.Namespace) -> None:
-    """Refuse sampling values mlx-lm would misbehave on, before a model is loaded."""
-    if args.max_tokens < 1:
-        raise MlxEvictError(f"--max-tokens {args.max_tokens} must be at least 1")
-    if args.temp < 0:
-        raise MlxEvictError(f"--temp {args.temp} must be >= 0 (0 is greedy)")
-    if not 0 < args.top_p <= 1:
-        raise MlxEvictError(f"--top-p {args.top_p} must be in (0, 1]")
-    if args.seed is not None and not 0 <= args.seed < 2**64:
-        raise MlxEvictError(f"--seed {args.seed} must be an integer from 0 to 2**64 - 1")
 
 
 def report(line: str) -> None:
@@ -153,17 +67,6 @@ def resolve_budget(request: BudgetRequest, model: Any, **storage: Any) -> int:
     """Tokens for ``--budget`` in the storage ``storage`` (``make_cache``'s storage arguments), capped at the
     model's context (see :func:`plan_budget`)."""
     return plan_budget(model, request, KVStorage.from_options(**storage)).tokens
-
-
-def kv_bits_option(text: str) -> KVBits | str:
-    """``--kv-bits``: ``8``, ``4``, ``KEY,VALUE`` bits such as ``5,3``, or ``none`` (the model's dtype)."""
-    try:
-        bits = parse_bits(text)
-        check(bits, names=FLAGS)
-    except ValueError as err:
-        # argparse names the flag itself: "argument --kv-bits: 3 is not supported; ..."
-        raise argparse.ArgumentTypeError(str(err).removeprefix("--kv-bits ")) from None
-    return KV_BITS_NONE if bits is None else bits
 
 
 def storage_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import argparse
 
 from ..errors import MlxEvictError
 from ..gguf_cache import cache_root, list_conversions, remove_conversions
-from ..telemetry import format_bytes
+from ..memory import format_bytes
 
 _EPILOG = """\
 A .gguf file given as MODEL (generate, chat, bench) is converted once into this

@@ -7,23 +7,20 @@ import json
 import sys
 from dataclasses import asdict
 
+from typing import TYPE_CHECKING
+
 from ..errors import MlxEvictError
-from ..events import Finished, TextChunk
-from ..generate import stream_events
-from ..memory import MemoryGuard
-from .common import (
-    TextPrinter,
+from .flags import (
     add_cache_options,
     add_model_argument,
     add_sampling_options,
-    budget_option,
-    build_caches,
-    check_sampling,
-    load,
-    report,
-    stats_line,
-    storage_flags,
+    add_template_options,
+    say_loading,
 )
+from .sampling import check_sampling
+
+if TYPE_CHECKING:
+    from ..events import Finished
 
 DEMO_PROMPT = "Explain in three sentences why the sky is blue."
 EXIT_CODES = {"stop": 0, "length": 0, "memory": 1, "interrupted": 130}
@@ -40,6 +37,12 @@ examples:
   mlxevict generate ./smollm2 -p "Count to 50." --policy entropy --budget 64 --max-tokens 300
   mlxevict generate ./smollm2 -p "Is 221 prime?" --budget 512 --kv-bits 8   # evict and quantize
   echo "Why is the sea salty?" | mlxevict generate model.gguf --budget 800MB --json
+  mlxevict generate --model ./r1 -p "Is 221 prime?" --max-kv-size 1024 --chat-template-args '{"enable_thinking": false}'
+  mlxevict generate --prompt-cache-file doc.safetensors -p " Summarize it."   # after mlxevict cache-prompt
+
+Sampling (--temp, --top-p, --top-k, --min-p) defaults to the model's
+generation_config.json when it has one (DeepSeek-R1: temp 0.6, top-p 0.95),
+else to mlx_lm.generate's (greedy).
 """
 
 
@@ -58,10 +61,25 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--hide-reasoning", action="store_true", help="do not print the reasoning")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    parser.add_argument(
+        "--prompt-cache-file",
+        metavar="FILE",
+        help="continue a prompt cache saved by mlxevict cache-prompt (the prompt follows the saved one)",
+    )
+    parser.add_argument(
+        "--prefill-step-size", type=int, default=None, metavar="N", help="prompt tokens per model call (default 256)"
+    )
+    add_template_options(parser)
     add_cache_options(parser)
     add_sampling_options(parser)
     parser.set_defaults(func=run_generate)
+
+
+def report(line: str) -> None:
+    """``common.report``, imported when first needed (``common`` loads MLX)."""
+    from .common import report as say
+
+    say(line)
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -80,7 +98,7 @@ def read_prompt(args: argparse.Namespace) -> str:
     return prompt
 
 
-def as_json(finished: Finished, model: str, budget: int) -> dict:
+def as_json(finished: "Finished", model: str, budget: int) -> dict:
     progress = finished.progress
     cache = None
     if progress.cache is not None:
@@ -102,24 +120,47 @@ def as_json(finished: Finished, model: str, budget: int) -> dict:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    request = budget_option(args)
     check_sampling(args)
+    say_loading(args)
+    from ..events import Finished, TextChunk
+    from ..generate import stream_events
+    from ..patch import patch
+    from ..memory import MemoryGuard
+    from .cache_prompt import check_model, load_saved
+    from .common import TextPrinter, budget_option, build_caches, load, stats_line, storage_flags
+    from .prompt import prompt_ids
+    from .sampling import resolve_sampling
+
+    if args.prefill_step_size is not None and args.prefill_step_size < 1:
+        raise MlxEvictError(f"--prefill-step-size {args.prefill_step_size} must be at least 1")
+    saved = load_saved(args) if args.prompt_cache_file else None
+    request = budget_option(args)
     storage_flags(args)  # bad storage options fail before a model loads
     prompt = read_prompt(args)
     resolved, model, tokenizer = load(args)
-    caches = build_caches(model, args, request)
+    if saved is None:
+        caches = build_caches(model, args, request)
+    else:
+        caches = saved[0]
+        check_model(saved[1], resolved, args.prompt_cache_file)
+        patch(model)
+        report(f"continuing {args.prompt_cache_file}: {caches[0].offset} tokens seen, policy {caches[0].policy.name}, "
+               f"budget {caches[0].budget}")
+    sampling, note = resolve_sampling(args, resolved.path)
+    if note:
+        report(note)
     printer = TextPrinter(sys.stdout, sys.stderr, show_reasoning=not args.hide_reasoning)
+    options = {"prefill_step_size": args.prefill_step_size} if args.prefill_step_size else {}
     events = stream_events(
         model,
         tokenizer,
-        prompt,
+        prompt_ids(args, tokenizer, prompt, cached=saved is not None),
         caches=caches,
         max_tokens=args.max_tokens,
-        temp=args.temp,
-        top_p=args.top_p,
         seed=args.seed,
         guard=MemoryGuard(),
-        chat_template=not args.no_chat_template,
+        **sampling,
+        **options,
     )
     finished = None
     try:

@@ -19,7 +19,7 @@ from ..memory import DEFAULT_MARGIN, format_bytes
 from ..openblas import openblas_library, openblas_loaded
 from ..plan import plan_cache
 from ..resolve import check_architecture, hub_weights_nbytes, resolve_model
-from .common import add_model_argument
+from .flags import add_model_argument
 
 PLAN_TOKENS = (8 * 1024, 32 * 1024, 128 * 1024)
 

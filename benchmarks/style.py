@@ -1,0 +1,116 @@
+"""How a cache looks in every plot: one colour and marker per policy, a line style per storage, and the
+groups that keep a panel to at most :data:`MAX_SERIES` lines.
+
+A name is ``POLICY`` or ``POLICY:STORAGE`` (``anchored:k5v3w8``) or one of mlx-lm's caches;
+``default`` is drawn as the policy it stands for. mlx-lm's caches are dashed, in greys and black.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+MAX_SERIES = 8
+DEFAULT_POLICY = "anchored"  # what "default" means in results written before the name moved (see results' JSON)
+
+# policy -> (colour, marker). Colours from matplotlib's tab10, fixed so a policy never changes colour.
+POLICY_STYLES = {
+    "anchored": ("#d62728", "o"),  # the default: red, drawn on top
+    "entropy": ("#1f77b4", "^"),
+    "uncertainty": ("#9467bd", "v"),
+    "window": ("#2ca02c", "s"),
+    "h2o": ("#ff7f0e", "D"),
+    "tova": ("#8c564b", "P"),
+    "snapkv": ("#e377c2", "X"),
+    "rkv": ("#17becf", "<"),
+    "knorm": ("#bcbd22", ">"),
+    "random": ("#7f7f7f", "h"),
+    "full": ("#000000", "p"),
+}
+MLX_LM_STYLES = {
+    "kvcache": ("#000000", "*"),  # the full cache: the reference
+    "rotating": ("#444444", "s"),
+    "quantized8": ("#666666", "o"),
+    "quantized4": ("#888888", "^"),
+    "quantized3": ("#aaaaaa", "v"),
+}
+STORAGE_LINES = {"": "-", "q8": (0, (5, 2)), "q4": (0, (1, 1.5)), "q4w8": (0, (4, 1.5, 1, 1.5)), "k5v3w8": (0, (8, 2))}
+# storage -> shade of the policy's colour: > 0 towards white, < 0 towards black
+STORAGE_SHADES = {"": 0.0, "q8": 0.35, "q4": 0.6, "q4w8": -0.35, "k5v3w8": -0.6}
+OTHER_STYLE = ("#9edae5", ".")
+
+# (title, names): the panels' groups, each also drawn with the default policy as a reference.
+GROUPS = (
+    ("mlxevict's policies", ("anchored", "entropy", "uncertainty", "window", "full")),
+    ("published policies", ("h2o", "tova", "snapkv", "rkv", "knorm", "random")),
+    ("the default policy in fewer bits", ("anchored:q8", "anchored:q4", "anchored:q4w8", "anchored:k5v3w8")),
+    ("mlx-lm's caches", tuple(MLX_LM_STYLES)),
+)
+
+
+@dataclass(frozen=True)
+class Style:
+    """matplotlib's ``color``, ``marker`` and ``linestyle`` for one cache."""
+
+    color: str
+    marker: str
+    linestyle: object
+
+    def kwargs(self) -> dict:
+        return {"color": self.color, "marker": self.marker, "linestyle": self.linestyle}
+
+
+def canonical(name: str, default_policy: str = DEFAULT_POLICY) -> str:
+    """``default`` and ``default:q8`` as the policy they stand for."""
+    base, sep, storage = name.partition(":")
+    return f"{default_policy if base == 'default' else base}{sep}{storage}"
+
+
+def style(name: str, default_policy: str = DEFAULT_POLICY) -> Style:
+    """The fixed look of ``name``: colour and marker from its policy, line style from its storage."""
+    name = canonical(name, default_policy)
+    if name in MLX_LM_STYLES:
+        color, marker = MLX_LM_STYLES[name]
+        return Style(color, marker, "--")
+    base, _, storage = name.partition(":")
+    color, marker = POLICY_STYLES.get(base, OTHER_STYLE)
+    return Style(shade(color, STORAGE_SHADES.get(storage, 0.2)), marker, STORAGE_LINES.get(storage, (0, (2, 1))))
+
+
+def shade(color: str, amount: float) -> str:
+    """``color`` (``#rrggbb``) mixed with white (``amount`` > 0) or black (< 0) by ``|amount|``."""
+    rgb = [int(color[i : i + 2], 16) for i in (1, 3, 5)]
+    target = 255 if amount > 0 else 0
+    mixed = [round(c + (target - c) * abs(amount)) for c in rgb]
+    return "#" + "".join(f"{c:02x}" for c in mixed)
+
+
+def groups(names: Iterable[str], default_policy: str = DEFAULT_POLICY) -> list[tuple[str, list[str]]]:
+    """The names split into :data:`GROUPS` (unknown ones last), at most :data:`MAX_SERIES` per group.
+
+    Each group starts with the default policy in the model's dtype and the full cache (``kvcache``)
+    as references when they are among ``names``; empty groups are left out.
+    """
+    names = list(dict.fromkeys(names))
+    by_canonical = {canonical(n, default_policy): n for n in names}
+    references = [by_canonical[r] for r in (default_policy, "kvcache") if r in by_canonical]
+    out, placed = [], set(references)
+    for title, members in GROUPS:
+        chosen = [by_canonical[m] for m in members if m in by_canonical and by_canonical[m] not in placed]
+        placed.update(chosen)
+        if chosen:
+            out.append((title, chosen))
+    rest = [n for n in names if n not in placed]
+    out += [("other caches", rest[i : i + MAX_SERIES - 2]) for i in range(0, len(rest), MAX_SERIES - 2)]
+    if not out and references:
+        return [("caches", references)]
+    return [(title, _with(references, chosen)) for title, chosen in out]
+
+
+def _with(references: Sequence[str], chosen: Sequence[str]) -> list[str]:
+    return [*[r for r in references if r not in chosen], *chosen]
+
+
+def percent(fraction: float) -> str:
+    """``0.125`` -> ``"12.5%"``."""
+    return f"{fraction * 100:.3g}%"

@@ -1,0 +1,13 @@
+"""The defaults and names that ``--help`` shows, in a module that imports nothing.
+
+The modules that use them (``cache``, ``quantized``, ``generate``, ``resolve``)
+import them from here, so the command line can print its help without loading
+MLX or mlx-lm.
+"""
+
+DEFAULT_BUDGET = 2048
+DEFAULT_SINKS = 4
+DEFAULT_WINDOW = 32  # at most; never more than budget // 8 unless asked (or the policy says otherwise)
+DEFAULT_GROUP_SIZE = 64  # mlx-lm's --kv-group-size default
+DEFAULT_MAX_TOKENS = 4096
+FAMILY_NAME = "mlx-community/DeepSeek-R1-Distill"
