@@ -343,8 +343,8 @@ def test_plain_chat_budget_command_stores_as_the_budget_flag_does(capsys, tiny32
     lines = ["/budget 100KB", "Hello there", "/quit"]
     rc, _, err = cli(capsys, "chat", tiny32, "--plain", "--budget", "64", "--max-tokens", "4", stdin="\n".join(lines) + "\n")
     stats = [line for line in err.splitlines() if line.startswith("[")]
-    assert rc == 0 and f"budget {flag['capacity']} tokens, KV in 5/3-bit from the next turn" in err
-    assert len(stats) == 1 and re.search(rf"KV kept \d+/{flag['capacity']},", stats[0]) and "(5/3-bit)" in stats[0]
+    assert rc == 0 and f"budget {flag['budget']} tokens, KV in 5/3-bit from the next turn" in err
+    assert len(stats) == 1 and re.search(rf"KV kept \d+/{flag['budget']},", stats[0]) and "(5/3-bit)" in stats[0]
 
 
 def test_chat_without_a_terminal_is_plain(capsys, tiny):
