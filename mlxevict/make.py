@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import mlx.nn as nn
 
 from .cache import DEFAULT_BUDGET, DEFAULT_SINKS, EvictingKVCache
-from .patch import patch
+from .patch import check_supported, patch
 from .kvstorage import DEFAULT_GROUP_SIZE, KVBits, KVStorage
 from .plan import plan_cache
 from .quantized import QuantizedEvictingKVCache
@@ -69,6 +69,7 @@ def make_cache(
         ValueError: unsupported architecture, unknown policy, a budget that cannot
             work, or a ``kv_bits``/``kv_group_size`` the model cannot use.
     """
+    check_supported(model)  # before anything reads the model's geometry
     given = KVStorage.of(kv_bits, kv_group_size if kv_bits is not None else None, full_precision_window, window_bits, kv_rotate)
     # Without kv_bits the planner chooses: the dtype for tokens, its memory rule for a budget in memory.
     plan = plan_cache(model, budget, given if given.quantized else None)
