@@ -69,7 +69,7 @@ def make_cache(
         ValueError: unsupported architecture, unknown policy, a budget that cannot
             work, or a ``kv_bits``/``kv_group_size`` the model cannot use.
     """
-    check_supported(model)  # before planning: the plan reads the model's geometry
+    check_supported(model)  # before anything reads the model's geometry
     given = KVStorage.of(kv_bits, kv_group_size if kv_bits is not None else None, full_precision_window, window_bits, kv_rotate)
     # Without kv_bits the planner chooses: the dtype for tokens, its memory rule for a budget in memory.
     plan = plan_cache(model, budget, given if given.quantized else None)

@@ -19,8 +19,6 @@ from .geometry import context_limit, kv_shape
 from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, SPLIT_BITS, KVStorage
 from .policies import make_policy
 
-SPLIT_STORAGE = KVStorage.of(SPLIT_BITS, window_bits=8)  # the most quality per byte measured (docs/architecture.md)
-
 
 @dataclass(frozen=True)
 class CachePlan:
