@@ -21,6 +21,7 @@ def _command_adders() -> list[CommandAdder]:
     from .commands.chat import add_chat_parser
     from .commands.generate import add_generate_parser
     from .commands.info import add_info_parser
+    from .commands.serve import add_serve_parser
     from .benchmarks.cli import add_bench_parser, add_eval_parser
     from .convert.cli import add_convert_parser
 
@@ -31,6 +32,7 @@ def _command_adders() -> list[CommandAdder]:
         add_convert_parser,
         add_bench_parser,
         add_eval_parser,
+        add_serve_parser,
     ]
 
 
