@@ -271,6 +271,20 @@ def test_a_client_that_disconnects_stops_its_generation(served):
 
 
 @pytest.mark.slow
+def test_a_client_that_hangs_up_before_a_whole_answer_stops_it(served):
+    before = served.idle()
+    body = json.dumps({"messages": [{"role": "user", "content": "Count from 1 to 500."}], "max_tokens": 400})
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    connection.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+    deadline = time.monotonic() + 60
+    while not served.health()["busy"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    connection.close()  # no response read: the server notices the closed socket while it waits
+    after = served.idle()
+    assert after["cancelled"] == before["cancelled"] + 1 and after["last"]["completion_tokens"] < 400
+
+
+@pytest.mark.slow
 def test_an_api_key_is_required_when_set(served):
     guarded = Running(None, None, api_key="secret", engine=served.engine)
     try:
