@@ -48,7 +48,8 @@ def server_command(name: str, model: str, port: int, budget: int) -> list[str]:
 
 def request(port: int, body: dict, timeout: float = 3600) -> http.client.HTTPResponse:
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
     return connection.getresponse()
 
 

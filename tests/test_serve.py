@@ -148,7 +148,8 @@ def test_stop_sequences_split_across_pieces_are_found():
 def test_request_defaults_and_bounds():
     request = parse_request("chat", {"messages": QUESTION}, DEFAULTS, ("m",))
     assert (request.max_tokens, request.temperature, request.policy, request.budget) == (16, 0.0, "default", None)
-    request = parse_request("chat", {"messages": QUESTION, "max_tokens": 5, "stop": "x", "budget": 64}, DEFAULTS, ("m",))
+    body = {"messages": QUESTION, "max_tokens": 5, "stop": "x", "budget": 64}
+    request = parse_request("chat", body, DEFAULTS, ("m",))
     assert (request.max_tokens, request.stop, request.budget) == (5, ("x",), "64")
     with pytest.raises(ApiError, match="temperature"):
         parse_request("chat", {"messages": QUESTION, "temperature": True}, DEFAULTS, ("m",))

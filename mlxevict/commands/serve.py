@@ -63,7 +63,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_model_argument(parser)
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default %(default)s: this machine only)")
+    group.add_argument(
+        "--host", default=DEFAULT_HOST, help="address to listen on (default %(default)s: this machine only)"
+    )
     group.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s; 0 picks a free one)")
     group.add_argument(
         "--api-key", default=os.environ.get(API_KEY_ENV) or None,
@@ -151,8 +153,9 @@ def run_serve(args: argparse.Namespace) -> int:
         log=report,
     )
     try:
-        server = ApiServer((args.host, args.port), engine, defaults=defaults, model_ids=_model_ids(resolved, args.model),
-                           api_key=args.api_key, log=report)
+        ids = _model_ids(resolved, args.model)
+        server = ApiServer((args.host, args.port), engine, defaults=defaults, model_ids=ids, api_key=args.api_key,
+                           log=report)
     except OSError as err:
         engine.close()
         raise MlxEvictError(f"cannot listen on {args.host}:{args.port} ({err.strerror}); pick another --port") from None
