@@ -172,6 +172,15 @@ def test_chat_completion_and_models(served):
 
 
 @pytest.mark.slow
+def test_a_stop_sequence_ends_the_answer_before_it(served):
+    plain = served.client.chat.completions.create(model="default", messages=QUESTION, max_tokens=12)
+    word = plain.choices[0].message.content.split()[-1]  # greedy: the same answer again, cut where its last word first appears
+    reply = served.client.chat.completions.create(model="default", messages=QUESTION, max_tokens=12, stop=[word])
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.content == plain.choices[0].message.content.split(word, 1)[0]
+
+
+@pytest.mark.slow
 def test_text_completion(served):
     reply = served.client.completions.create(model="default", prompt="The capital of France is", max_tokens=6)
     assert reply.choices[0].text.strip() and reply.usage.completion_tokens <= 6

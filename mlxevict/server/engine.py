@@ -225,13 +225,13 @@ class Engine:
                 events = session.send(r.messages[-1]["content"], **sampling)
                 job._stopper(session.stop)
             else:
-                caches = make_cache(self.model, policy, budget, **self.cache_options)
+                caches = self._caches(policy, budget)
                 stop = threading.Event()
                 job._stopper(stop.set)
                 events = stream_events(self.model, self.tokenizer, r.prompt, caches=caches, chat_template=False,
                                        guard=self.guard, stop=stop, **sampling)
             finished, stopped = self._stream(job, events)
-        except (MlxEvictError, ValueError) as err:
+        except MlxEvictError as err:  # the prompt, the budget or the context limit
             raise ApiError(str(err)) from None
         keep = finished is not None and not stopped and not job.cancelled.is_set() and finished.reason != "memory"
         if session is not None and keep:
@@ -240,6 +240,12 @@ class Engine:
             session = caches = None
             _free()
         self._finish(job, finished, stopped, cached, policy, budget)
+
+    def _caches(self, policy: str, budget: int) -> list:
+        try:
+            return make_cache(self.model, policy, budget, **self.cache_options)
+        except ValueError as err:  # a budget that cannot work with the server's window and sinks
+            raise ApiError(str(err), param="budget") from None
 
     def _session(self, r: CompletionRequest, settings: tuple[str, int]) -> tuple[ChatSession, int]:
         """The kept session these messages continue (and its tokens), or a new one that reads them all."""
