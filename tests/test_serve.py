@@ -67,14 +67,15 @@ def forced(tokenizer, script: str):
 class Running:
     """An in-process server on a free port, and its openai client."""
 
-    def __init__(self, model, tokenizer, *, api_key=None, guard=None, logits_processors=tuple, engine=None):
+    def __init__(self, model, tokenizer, *, api_key=None, guard=None, logits_processors=tuple, engine=None,
+                 store=None):
         self.engine = engine or Engine(
             model,
             tokenizer,
             defaults=DEFAULTS,
             budget_tokens=lambda text: resolve_budget(parse_budget(text), model),
             cache_options={},
-            store=ConversationStore(10, 1 << 30),
+            store=ConversationStore(10, 1 << 30) if store is None else store,
             guard=guard or MemoryGuard(),
             logits_processors=logits_processors,
         )
@@ -230,6 +231,20 @@ def test_a_continued_conversation_reuses_its_cache(served):
     again = served.client.chat.completions.create(model="default", messages=messages, max_tokens=8)
     assert again.usage.prompt_tokens_details.cached_tokens == 0
     assert extra(again.usage)["prompt_tokens_read"] == again.usage.prompt_tokens == second.usage.prompt_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("count, nbytes, kept", [(1, 1 << 30, 1), (10, 1, 0)], ids=["count", "bytes"])
+def test_kept_conversations_are_bounded(demo, count, nbytes, kept):
+    model, tokenizer, _ = demo
+    running = Running(model, tokenizer, store=ConversationStore(count, nbytes))
+    try:
+        for question in ("Name a fruit.", "Name a colour."):
+            messages = [{"role": "user", "content": question}]
+            running.client.chat.completions.create(model="default", messages=messages, max_tokens=2)
+        assert running.health()["conversations"] == kept
+    finally:
+        running.close()
 
 
 @pytest.mark.slow
