@@ -50,6 +50,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "add_eval_parser",
         "quality vs budget and KV bytes: retrieval, fidelity, generation agreement",
     ),
+    "serve": (
+        "mlxevict.commands.serve",
+        "add_serve_parser",
+        "serve the OpenAI API (chat/completions) with a KV budget for every conversation",
+    ),
     "conversions": (
         "mlxevict.commands.conversions",
         "add_conversions_parser",
