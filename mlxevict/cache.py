@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_causal_mask
 
+from .distributed import UNSHARDED, Shard
 from .kernels import compact_compiled, priority_compiled
 from .policies import Policy, make_policy
 
@@ -99,6 +100,7 @@ class EvictingKVCache(_BaseCache):
     """
 
     kv_bits: int | None = None  # storage bits; None: the model's dtype
+    shard: Shard = UNSHARDED  # the block of KV heads this rank holds (make_cache sets it under mlx.launch)
 
     def __init__(
         self,

@@ -10,7 +10,9 @@ import warnings
 from typing import Callable, Sequence
 
 from . import __version__
+from .distributed import lost_peer
 from .errors import MlxEvictError
+from .launch import join_ranks, lost_peer_message
 from .openblas import reexec_with_openblas
 
 # name -> (function that adds the subparser). Each adder sets ``func`` on its parser.
@@ -64,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
+            join_ranks(args)  # under mlx.launch: one seed, rank 0 reads and prints (mlxevict/launch.py)
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
@@ -73,6 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # stdout goes to devnull so the interpreter's final flush cannot raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE
+    except RuntimeError as err:
+        if not lost_peer(err):
+            raise
+        print(f"mlxevict: error: {lost_peer_message(err)}", file=sys.stderr)
+        return 1
     except (MlxEvictError, FileNotFoundError, NotADirectoryError) as err:
         if args.debug:
             traceback.print_exc()

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import mlx.nn as nn
 
 from .cache import DEFAULT_BUDGET, DEFAULT_SINKS, EvictingKVCache
+from .distributed import model_shard
 from .patch import patch
 from .quantized import DEFAULT_GROUP_SIZE, KVBits, QuantizedEvictingKVCache, check_storage, model_head_dim
 from .telemetry import budget_tokens, memory_storage, parse_budget
@@ -95,6 +96,9 @@ def make_cache(
             window_bits=window_bits,
         )
     caches = [cls(policy, budget, **options, **policy_kwargs) for _ in model.layers]
+    shard = model_shard(model)  # a sharded model's caches hold its block of heads
+    for cache in caches:
+        cache.shard = shard
     patch(model)
     return caches
 

@@ -20,6 +20,7 @@ import mlx.core as mx
 import psutil
 
 from .cache import EvictingKVCache, default_window
+from .distributed import first_reason, head_share
 from .errors import MlxEvictError
 from .quantized import DEFAULT_GROUP_SIZE, SPLIT_BITS, KVBits, key_value_bits, storage_bytes
 from .stats import cache_stats
@@ -190,7 +191,8 @@ def model_dtype(model: Any) -> mx.Dtype:
 def kv_shape(model_or_config: Any, dtype_size: Optional[int] = None) -> KVShape:
     """The KV geometry of a loaded mlx-lm model, its ``ModelArgs``, a config dict or a model folder.
 
-    The KV cache is stored in the type the model computes in: a loaded model's
+    A loaded model sharded over ``N`` ranks (``model.shard()``) counts this rank's
+    ``1/N`` of the KV heads. The KV cache is stored in the type the model computes in: a loaded model's
     embedding (or quantization scales) type, a folder's weights type, else the
     config's ``torch_dtype``.
 
@@ -203,11 +205,13 @@ def kv_shape(model_or_config: Any, dtype_size: Optional[int] = None) -> KVShape:
         A :class:`KVShape`.
     """
     config: Any = model_or_config
+    share = 1
     if isinstance(config, (str, Path)):
         dtype_size = dtype_size or folder_dtype_size(config)
         config = read_config(config)
     elif hasattr(config, "args") and hasattr(config, "layers"):
         dtype_size = dtype_size or model_dtype(config).size
+        share = head_share(config)  # a sharded model (mlx.launch) holds its block of the KV heads
         config = config.args
     if not isinstance(config, Mapping):
         config = vars(config)
@@ -217,7 +221,7 @@ def kv_shape(model_or_config: Any, dtype_size: Optional[int] = None) -> KVShape:
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
     except (KeyError, TypeError, ValueError):
         raise MlxEvictError("the model config lacks num_hidden_layers, num_attention_heads or hidden_size") from None
-    kv_heads = int(config.get("num_key_value_heads") or heads)
+    kv_heads = int(config.get("num_key_value_heads") or heads) // share
     return KVShape(layers, kv_heads, head_dim, dtype_size or config_dtype_size(config))
 
 
@@ -406,7 +410,14 @@ class MemoryGuard:
             self._previous_limit = None
 
     def check(self) -> str:
-        """``""`` while memory is fine, else a one-line reason to stop."""
+        """``""`` while memory is fine, else a one-line reason to stop.
+
+        Under ``mlx.launch`` every rank gets the same answer (the first stopping rank's reason),
+        so all stop at the same step; every rank must call it at the same step.
+        """
+        return first_reason(self._reason())
+
+    def _reason(self) -> str:
         available = psutil.virtual_memory().available
         if available < self.margin:
             return (

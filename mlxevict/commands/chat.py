@@ -9,6 +9,7 @@ from typing import TextIO
 from ..errors import MlxEvictError
 from ..events import Finished, TextChunk
 from ..generate import ChatSession
+from ..launch import rank_stats
 from ..policies import policy_names
 from ..quantized import bits_label
 from ..telemetry import MemoryGuard, parse_budget
@@ -145,7 +146,7 @@ def turn(session: ChatSession, text: str, out: TextIO, err: TextIO, show_reasoni
         return
     if finished.message:
         print(f"mlxevict: {finished.message}", file=err)
-    print(stats_line(finished), file=err, flush=True)
+    print(stats_line(finished, rank_stats(finished)), file=err, flush=True)
 
 
 def repl(session: ChatSession, name: str, inp: TextIO, out: TextIO, err: TextIO, *, show_reasoning: bool = True) -> int:

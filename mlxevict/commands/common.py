@@ -11,6 +11,7 @@ from ..cache import DEFAULT_BUDGET, DEFAULT_SINKS, DEFAULT_WINDOW
 from ..errors import MlxEvictError
 from ..events import Finished
 from ..generate import DEFAULT_MAX_TOKENS, DEFAULT_TEMP, DEFAULT_TOP_P
+from ..launch import RankStats, launched, load_sharded, rank_line
 from ..make import make_cache
 from ..policies import policy_names
 from ..quantized import DEFAULT_GROUP_SIZE, PAIR_BITS, KVBits, bits_label, check_storage, key_value_bits
@@ -118,7 +119,8 @@ def report(line: str) -> None:
 def load(args: argparse.Namespace) -> tuple[Resolved, Any, Any]:
     """Resolve ``args.model`` (telling the user about choices) and load it."""
     resolved = resolve_model(args.model, progress=sys.stderr.isatty(), report=report)
-    model, tokenizer = load_model(resolved)
+    group = launched()  # under mlx.launch each rank loads its share of every layer
+    model, tokenizer = load_model(resolved) if group is None else load_sharded(resolved, group)
     return resolved, model, tokenizer
 
 
@@ -209,8 +211,8 @@ def use_color(stream: TextIO) -> bool:
     return stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
 
 
-def stats_line(finished: Finished) -> str:
-    """One line: tokens, tok/s, KV kept/capacity, evicted, peak memory, why it stopped."""
+def stats_line(finished: Finished, ranks: Optional[list[RankStats]] = None) -> str:
+    """One line: tokens, tok/s, KV kept/capacity, evicted, peak memory, every rank's (``ranks``), why it stopped."""
     p = finished.progress
     prompt = f"prompt {p.prompt_tokens} tokens, {p.prompt_tokens_per_s:.1f} tok/s"
     parts = [f"{p.generated_tokens} tokens, {p.tokens_per_s:.1f} tok/s ({prompt})"]
@@ -220,6 +222,8 @@ def stats_line(finished: Finished) -> str:
         held += f" ({bits_label(c.kv_bits)})" if c.kv_bits else ""
         parts.append(f"KV kept {c.kept}/{c.capacity}, evicted {c.evicted}, {held}")
     parts.append(f"peak {format_bytes(p.memory.mlx_peak)}")
+    if ranks:
+        parts.append(rank_line(ranks))
     parts.append(finished.reason)
     return "[" + " | ".join(parts) + "]"
 

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from ..errors import MlxEvictError
 from ..events import Finished, TextChunk
 from ..generate import stream_events
+from ..launch import rank_stats, ranks_json
 from ..telemetry import MemoryGuard
 from .common import (
     TextPrinter,
@@ -130,11 +131,12 @@ def run_generate(args: argparse.Namespace) -> int:
         printer.end()
         print("interrupted", file=sys.stderr)
         return 130
+    ranks = rank_stats(finished)  # every rank's KV and peak under mlx.launch, else None
     if args.json:
-        print(json.dumps(as_json(finished, resolved.name, caches[0].budget)))
+        print(json.dumps({**as_json(finished, resolved.name, caches[0].budget), **ranks_json(ranks)}))
     else:
         printer.end()
         if finished.message:
             report(finished.message)
-        print(stats_line(finished), file=sys.stderr, flush=True)
+        print(stats_line(finished, ranks), file=sys.stderr, flush=True)
     return EXIT_CODES[finished.reason]
