@@ -59,8 +59,15 @@ def env() -> dict[str, str]:
     return os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def run(command: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
-    done = subprocess.run(command, input=stdin, capture_output=True, text=True, env=env(), timeout=HANG_GUARD_S)
+def run(command: list[str], stdin: str = "") -> subprocess.CompletedProcess:
+    """Run to the end; stdin stays open (at EOF mlx.launch polls it in a busy loop that takes a core)."""
+    read, write = os.pipe()
+    os.write(write, stdin.encode())
+    try:
+        done = subprocess.run(command, stdin=read, capture_output=True, text=True, env=env(), timeout=HANG_GUARD_S)
+    finally:
+        os.close(read)
+        os.close(write)
     # mlx.launch exits 0 even when a rank fails, so its output says whether every rank finished.
     assert "exited with code" not in done.stderr and "mlxevict: error" not in done.stderr, done.stderr[-3000:]
     return done
@@ -103,8 +110,9 @@ def test_every_exact_policy_equals_one_process_on_two_ranks(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_demo_model_on_three_ranks_equals_one_process(smollm_path, tmp_path):
-    budget, tokens = 32, 8
-    specs = ["default", "h2o", "random", "knorm", "uncertainty", "default:5,3"]
+    # Few tokens and specs: 3 ranks on this 2-core machine wait on each other at every layer's all_sum.
+    budget, tokens = 48, 6
+    specs = ["default", "random", "uncertainty", "default:5,3"]
     alone = worker(tmp_path, smollm_path, 1, budget, tokens, specs, blocks=3)
     sharded = worker(tmp_path, smollm_path, 3, budget, tokens, specs, blocks=3)
     assert sharded["ranks"] == 3
@@ -145,7 +153,11 @@ def test_chat_plain_reads_on_rank_zero_and_prints_rank_stats(tiny):
 def test_a_killed_rank_ends_the_others_with_one_error_line(tiny):
     args = ["generate", str(tiny), "-p", "Go on.", "--temp", "0", "--max-tokens", "1900", "--budget", "24"]
     proc = subprocess.Popen(
-        launch_command(2, *cli_command(*args)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env()
+        launch_command(2, *cli_command(*args)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env(),
     )
     try:
         assert proc.stdout.read(4)  # rank 0 is streaming the answer: mid-generation
