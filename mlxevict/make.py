@@ -96,10 +96,10 @@ def make_cache(
             window_bits=window_bits,
         )
     caches = [cls(policy, budget, **options, **policy_kwargs) for _ in model.layers]
+    patch(model)
     shard = model_shard(model)  # a sharded model's caches hold its block of heads
     for cache in caches:
         cache.shard = shard
-    patch(model)
     return caches
 
 

@@ -26,7 +26,7 @@ from mlxevict.policies import POLICIES
 WORKER = Path(__file__).with_name("distributed_worker.py")
 # Every registered policy is exact (docs/distributed.md), and so is quantized storage.
 EXACT = [*POLICIES, "default:8", "default:5,3"]
-HANG_GUARD_S = 300  # a bound so a hung launch fails the test instead of the suite; not a speed assertion
+HANG_GUARD_S = 600  # a bound so a hung launch fails the test instead of the suite; not a speed assertion
 
 
 def free_port(count: int) -> int:
@@ -63,14 +63,25 @@ def run(command: list[str], stdin: str = "") -> subprocess.CompletedProcess:
     """Run to the end; stdin stays open (at EOF mlx.launch polls it in a busy loop that takes a core)."""
     read, write = os.pipe()
     os.write(write, stdin.encode())
+    proc = subprocess.Popen(command, stdin=read, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
     try:
-        done = subprocess.run(command, stdin=read, capture_output=True, text=True, env=env(), timeout=HANG_GUARD_S)
+        out, err = proc.communicate(timeout=HANG_GUARD_S)
     finally:
+        end(proc)
         os.close(read)
         os.close(write)
     # mlx.launch exits 0 even when a rank fails, so its output says whether every rank finished.
-    assert "exited with code" not in done.stderr and "mlxevict: error" not in done.stderr, done.stderr[-3000:]
-    return done
+    assert "exited with code" not in err and "mlxevict: error" not in err, err[-3000:]
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def end(proc: subprocess.Popen) -> None:
+    """Kill what is left of a launch: the ranks first (killing mlx.launch alone orphans them)."""
+    if proc.poll() is None:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        proc.wait()
 
 
 def worker(tmp_path: Path, model: Path, ranks: int, budget: int, tokens: int, specs: list[str], blocks: int) -> dict:
@@ -165,7 +176,7 @@ def test_a_killed_rank_ends_the_others_with_one_error_line(tiny):
         ranks[-1].send_signal(signal.SIGKILL)
         _, err = proc.communicate(timeout=HANG_GUARD_S)
     finally:
-        proc.kill()
+        end(proc)
     err = err.decode()
     assert "mlxevict: error: rank 0 of 2" in err, err[-3000:]
     assert "Traceback" not in err

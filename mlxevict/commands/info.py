@@ -238,7 +238,8 @@ def _host_lines(h: dict[str, Any]) -> list[str]:
     where = f"{h['hosts']} hosts of {format_bytes(h['memory'])}"
     if not h["shardable"]:
         return [f"hosts         {where}: {h['reason']}"]
-    fewest = f"; the weights fit from {h['min_hosts']} hosts on" if h["min_hosts"] else "; no split of the heads fits"
+    n = h["min_hosts"]
+    fewest = f"; the weights fit on {n} host{'s' if n > 1 else ''} or more" if n else "; no split of the heads fits"
     return [
         f"hosts         {where}: {format_bytes(h['weights_per_host'])} of weights each (the embedding and head on "
         f"every host){fewest}",
