@@ -70,7 +70,8 @@ def run_ranks(model: Path, ranks: int, args: argparse.Namespace) -> dict[str, An
     # stdin stays open: at EOF mlx.launch polls it in a busy loop that takes a core from the ranks.
     read, write = os.pipe()
     try:
-        done = subprocess.run(command, stdin=read, capture_output=True, text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+        env = os.environ | {"HF_HUB_OFFLINE": "1"}
+        done = subprocess.run(command, stdin=read, capture_output=True, text=True, env=env)
     finally:
         os.close(read)
         os.close(write)
@@ -81,7 +82,8 @@ def run_ranks(model: Path, ranks: int, args: argparse.Namespace) -> dict[str, An
 
 
 def row(ranks: int, report: dict[str, Any], base: float) -> str:
-    per_rank = report.get("ranks") or [{"kv_nbytes": report["cache"]["nbytes"], "mlx_peak": report["memory"]["mlx_peak"]}]
+    alone = {"kv_nbytes": report["cache"]["nbytes"], "mlx_peak": report["memory"]["mlx_peak"]}
+    per_rank = report.get("ranks") or [alone]
     kv = " / ".join(f"{r['kv_nbytes'] / 2**20:.2f}" for r in per_rank)
     peak = " / ".join(f"{r['mlx_peak'] / 2**20:.0f}" for r in per_rank)
     speed = report["tokens_per_s"]

@@ -64,7 +64,10 @@ def lost_peer_message(err: BaseException) -> str:
     """One line for the ring backend's error when another rank went away."""
     group = world()
     who = rank_name(group) if group is not None else "this rank"
-    return f"{who} lost the connection to another rank ({err}): another rank failed or was killed (its error, or mlx.launch's warning, names it)"
+    return (
+        f"{who} lost the connection to another rank ({err}): another rank failed or was killed "
+        "(its error, or mlx.launch's warning, names it)"
+    )
 
 
 class RankErrors:

@@ -24,8 +24,11 @@ from mlxevict.distributed import HostPlan, Shard, check_shardable, plan_hosts, r
 from mlxevict.policies import POLICIES
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
-# Every registered policy is exact (docs/distributed.md), and so is quantized storage.
-EXACT = [*POLICIES, "default:8", "default:5,3"]
+# Every registered policy is exact (docs/distributed.md). Quantized storage is not: its codes can round
+# the other way when the ranks' all_sum rounds the hidden state differently; it must still hold the
+# budget and 1/N of the bytes on every rank, in step.
+EXACT = list(POLICIES)
+QUANTIZED = ["default:8", "default:5,3"]
 HANG_GUARD_S = 600  # a bound so a hung launch fails the test instead of the suite; not a speed assertion
 
 
@@ -98,36 +101,41 @@ def tiny(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("dist") / "tiny", hidden=128, heads=4, kv_heads=2)
 
 
-def check_exact(alone: dict, sharded: dict, budget: int) -> None:
+def check_sharded(alone: dict, sharded: dict, budget: int, exact: list[str]) -> None:
+    """Every spec: 1/N of the bytes, the budget held and evictions on every rank, all ranks in step;
+    the ``exact`` ones: also one process's greedy tokens and, per block of heads, its kept positions."""
     assert alone["policies"].keys() == sharded["policies"].keys()
     for spec, one in alone["policies"].items():
         many = sharded["policies"][spec]
-        assert many["tokens"] == one["tokens"], spec
+        assert len({rank["tokens_crc"] for rank in many["ranks"]}) == 1, spec  # every rank decoded the same
         for block, (rank, single) in enumerate(zip(many["ranks"], one["ranks"])):
-            assert rank["positions_crc"] == single["positions_crc"], (spec, block)  # same entries kept per head
             assert rank["kv_nbytes"] == single["kv_nbytes"], (spec, block)  # 1/N of one process's bytes
-            assert rank["tokens_crc"] == single["tokens_crc"], (spec, block)  # every rank decoded the same
             if not spec.startswith("full"):
                 assert rank["evictions"] > 0 and rank["most_entries"] <= budget, (spec, rank)
+            if spec in exact:
+                assert rank["tokens_crc"] == single["tokens_crc"], (spec, block)
+                assert rank["positions_crc"] == single["positions_crc"], (spec, block)  # same entries per head
+        if spec in exact:
+            assert many["tokens"] == one["tokens"], spec
 
 
 def test_every_exact_policy_equals_one_process_on_two_ranks(tiny, tmp_path):
     budget, tokens = 24, 12
-    alone = worker(tmp_path, tiny, 1, budget, tokens, EXACT, blocks=2)
-    sharded = worker(tmp_path, tiny, 2, budget, tokens, EXACT, blocks=2)
+    alone = worker(tmp_path, tiny, 1, budget, tokens, EXACT + QUANTIZED, blocks=2)
+    sharded = worker(tmp_path, tiny, 2, budget, tokens, EXACT + QUANTIZED, blocks=2)
     assert sharded["ranks"] == 2 and len(alone["policies"]["window"]["ranks"]) == 2
-    check_exact(alone, sharded, budget)
+    check_sharded(alone, sharded, budget, EXACT)
 
 
 @pytest.mark.slow
 def test_demo_model_on_three_ranks_equals_one_process(smollm_path, tmp_path):
     # Few tokens and specs: 3 ranks on this 2-core machine wait on each other at every layer's all_sum.
     budget, tokens = 48, 6
-    specs = ["default", "random", "uncertainty", "default:5,3"]
+    specs = ["default", "random", "uncertainty"]
     alone = worker(tmp_path, smollm_path, 1, budget, tokens, specs, blocks=3)
     sharded = worker(tmp_path, smollm_path, 3, budget, tokens, specs, blocks=3)
     assert sharded["ranks"] == 3
-    check_exact(alone, sharded, budget)
+    check_sharded(alone, sharded, budget, specs)
 
 
 def cli_command(*args: str) -> list[str]:
@@ -135,7 +143,8 @@ def cli_command(*args: str) -> list[str]:
 
 
 def test_generate_prints_once_with_every_ranks_memory(tiny):
-    args = ["generate", str(tiny), "-p", "Count to ten.", "--temp", "0", "--max-tokens", "12", "--budget", "24", "--json"]
+    args = ["generate", str(tiny), "-p", "Count to ten.", "--temp", "0", "--max-tokens", "12", "--budget", "24"]
+    args.append("--json")
     alone = json.loads(run(cli_command(*args)).stdout)
     done = run(launch_command(2, *cli_command(*args)))
     lines = done.stdout.strip().splitlines()
