@@ -26,6 +26,7 @@ from mlx_lm.models.cache import _BaseCache, create_causal_mask
 
 from .defaults import DEFAULT_BUDGET, DEFAULT_SINKS, DEFAULT_WINDOW  # noqa: F401 (read from here too)
 from .dense_storage import DenseStorage, fit_slots
+from .distributed import UNSHARDED, Shard
 from .kernels import compact_compiled, priority_compiled
 from .pins import Pins
 from .policies import Policy, make_policy
@@ -113,6 +114,8 @@ class EvictingKVCache(_BaseCache):
         storage: a fresh storage component; default :class:`DenseStorage`.
         policy_kwargs: arguments for the policy class.
     """
+
+    shard: Shard = UNSHARDED  # the block of KV heads this rank holds (make_cache sets it under mlx.launch)
 
     def __init__(
         self,

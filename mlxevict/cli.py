@@ -17,6 +17,7 @@ from importlib import import_module
 from typing import Optional, Sequence
 
 from . import __version__
+from .defaults import LAUNCH_VARIABLES
 from .errors import MlxEvictError, os_error
 from .openblas import reexec_with_openblas
 
@@ -145,6 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             finish_args(args)
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
+            if any(name in os.environ for name in LAUNCH_VARIABLES):
+                from .launch import join_ranks
+
+                join_ranks(args)  # under mlx.launch: one seed, rank 0 reads and prints (mlxevict/launch.py)
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
@@ -154,6 +159,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # stdout goes to devnull so the interpreter's final flush cannot raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE
+    except RuntimeError as err:
+        from .distributed import lost_peer
+        from .launch import lost_peer_message
+
+        if not lost_peer(err):
+            raise
+        print(f"mlxevict: error: {lost_peer_message(err)}", file=sys.stderr)
+        return 1
     except (MlxEvictError, FileNotFoundError, NotADirectoryError) as err:
         if args.debug:
             traceback.print_exc()

@@ -11,3 +11,4 @@ DEFAULT_WINDOW = 32  # at most; never more than budget // 8 unless asked (or the
 DEFAULT_GROUP_SIZE = 64  # mlx-lm's --kv-group-size default
 DEFAULT_MAX_TOKENS = 4096
 FAMILY_NAME = "mlx-community/DeepSeek-R1-Distill"
+LAUNCH_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # set by mlx.launch (ring) or mpirun

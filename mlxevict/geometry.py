@@ -105,10 +105,22 @@ def _config(model_or_config: Any) -> Mapping[str, Any]:
     return config if isinstance(config, Mapping) else vars(config)
 
 
+def head_share(model: Any) -> int:
+    """How many ranks the model's heads are split over: 1 unless ``model.shard()`` ran.
+
+    ``shard()`` divides each attention's ``n_kv_heads`` by the group size and
+    leaves ``model.args`` as the checkpoint says, so the ratio is the share.
+    """
+    attention = model.layers[0].self_attn
+    total = getattr(model.args, "num_key_value_heads", None) or model.args.num_attention_heads
+    return max(1, total // attention.n_kv_heads)
+
+
 def kv_shape(model_or_config: Any, dtype_size: Optional[int] = None) -> KVShape:
     """The KV geometry of a loaded mlx-lm model, its ``ModelArgs``, a config dict or a model folder.
 
-    The KV cache is stored in the type the model computes in: a loaded model's
+    A loaded model sharded over ``N`` ranks (``model.shard()``) counts this rank's
+    ``1/N`` of the KV heads. The KV cache is stored in the type the model computes in: a loaded model's
     embedding (or quantization scales) type, a folder's weights type, else the
     config's ``torch_dtype``.
 
@@ -120,10 +132,12 @@ def kv_shape(model_or_config: Any, dtype_size: Optional[int] = None) -> KVShape:
     Returns:
         A :class:`KVShape`.
     """
+    share = 1
     if isinstance(model_or_config, (str, Path)):
         dtype_size = dtype_size or folder_dtype_size(model_or_config)
     elif hasattr(model_or_config, "args") and hasattr(model_or_config, "layers"):
         dtype_size = dtype_size or model_dtype(model_or_config).size
+        share = head_share(model_or_config)  # a sharded model (mlx.launch) holds its block of the KV heads
     config = _config(model_or_config)
     try:
         layers = int(config["num_hidden_layers"])
@@ -131,7 +145,7 @@ def kv_shape(model_or_config: Any, dtype_size: Optional[int] = None) -> KVShape:
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
     except (KeyError, TypeError, ValueError):
         raise MlxEvictError("the model config lacks num_hidden_layers, num_attention_heads or hidden_size") from None
-    kv_heads = int(config.get("num_key_value_heads") or heads)
+    kv_heads = int(config.get("num_key_value_heads") or heads) // share
     return KVShape(layers, kv_heads, head_dim, dtype_size or config_dtype_size(config))
 
 

@@ -9,6 +9,7 @@ import mlx.nn as nn
 
 from .cache import DEFAULT_BUDGET, DEFAULT_SINKS, EvictingKVCache
 from .patch import check_supported, patch
+from .distributed import model_shard
 from .kvstorage import DEFAULT_GROUP_SIZE, KVBits, KVStorage
 from .plan import plan_cache
 from .quantized import QuantizedEvictingKVCache
@@ -82,6 +83,9 @@ def make_cache(
     budget = plan.tokens
     caches = [cls(policy, budget, **options, **policy_kwargs) for _ in model.layers]
     patch(model)
+    shard = model_shard(model)  # a sharded model's caches hold its block of heads
+    for cache in caches:
+        cache.shard = shard
     return caches
 
 

@@ -15,6 +15,7 @@ import mlx.core as mx
 import psutil
 
 from .cache import EvictingKVCache
+from .distributed import first_reason
 from .errors import MlxEvictError
 from .stats import cache_stats
 
@@ -138,7 +139,14 @@ class MemoryGuard:
             self._previous_limit = None
 
     def check(self) -> str:
-        """``""`` while memory is fine, else a one-line reason to stop."""
+        """``""`` while memory is fine, else a one-line reason to stop.
+
+        Under ``mlx.launch`` every rank gets the same answer (the first stopping rank's reason),
+        so all stop at the same step; every rank must call it at the same step.
+        """
+        return first_reason(self._reason())
+
+    def _reason(self) -> str:
         available = psutil.virtual_memory().available
         if available < self.margin:
             return (

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mlxevict"
 APPLICATION = (
     "cli", "commands", "generate", "prompts", "chat_session", "resolve", "family", "demo_model",
-    "gguf_cache", "folder_check", "server", "app", "convert", "benchmarks",
+    "gguf_cache", "folder_check", "server", "launch", "app", "convert", "benchmarks",
 )  # fmt: skip
 TOP_LEVEL_FOLDERS = ("app", "convert", "benchmarks")  # where the installed mlxevict.app/... live in the checkout
 

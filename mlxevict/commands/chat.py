@@ -152,6 +152,7 @@ def stats_text(c: "CacheStats") -> str:
 
 def turn(session: "ChatSession", text: str, out: TextIO, err: TextIO, show_reasoning: bool) -> None:
     from ..events import Finished, TextChunk
+    from ..launch import rank_stats
     from .common import TextPrinter, stats_line
 
     printer = TextPrinter(out, err, show_reasoning=show_reasoning)
@@ -171,7 +172,7 @@ def turn(session: "ChatSession", text: str, out: TextIO, err: TextIO, show_reaso
         return
     if finished.message:
         print(f"mlxevict: {finished.message}", file=err)
-    print(stats_line(finished), file=err, flush=True)
+    print(stats_line(finished, rank_stats(finished)), file=err, flush=True)
 
 
 def repl(

@@ -11,6 +11,7 @@ from ..budget import DEFAULT_BUDGET_TEXT, BudgetRequest, parse_budget  # noqa: F
 from ..chat_session import STORAGE_KEYS  # noqa: F401 (make_cache's storage arguments; old import path)
 from ..errors import MlxEvictError
 from ..events import Finished
+from ..launch import RankStats, launched, load_sharded, rank_line
 from ..kvstorage import FLAGS, NONE, KVStorage, bits_label
 from ..make import make_cache
 from ..memory import format_bytes
@@ -36,7 +37,8 @@ def load(args: argparse.Namespace) -> tuple[Resolved, Any, Any]:
     """Resolve ``args.model`` (telling the user about choices) and load it."""
     budget = getattr(args, "budget", None)  # the family choice counts the KV of the budget the run will use
     resolved = resolve_model(args.model, progress=sys.stderr.isatty(), report=report, budget=budget)
-    model, tokenizer = load_model(resolved)
+    group = launched()  # under mlx.launch each rank loads its share of every layer
+    model, tokenizer = load_model(resolved) if group is None else load_sharded(resolved, group)
     return resolved, model, tokenizer
 
 
@@ -99,8 +101,8 @@ def use_color(stream: TextIO) -> bool:
     return stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
 
 
-def stats_line(finished: Finished) -> str:
-    """One line: tokens, tok/s, KV kept/budget, evicted, peak memory, why it stopped."""
+def stats_line(finished: Finished, ranks: Optional[list[RankStats]] = None) -> str:
+    """One line: tokens, tok/s, KV kept/budget, evicted, peak memory, every rank's (``ranks``), why it stopped."""
     p = finished.progress
     prompt = f"prompt {p.prompt_tokens} tokens, {p.prompt_tokens_per_s:.1f} tok/s"
     parts = [f"{p.generated_tokens} tokens, {p.tokens_per_s:.1f} tok/s ({prompt})"]
@@ -110,6 +112,8 @@ def stats_line(finished: Finished) -> str:
         held += f" ({bits_label(c.kv_bits)})" if c.kv_bits else ""
         parts.append(f"KV kept {c.kept}/{c.budget}, evicted {c.evicted}, {held}")
     parts.append(f"peak {format_bytes(p.memory.mlx_peak)}")
+    if ranks:
+        parts.append(rank_line(ranks))
     parts.append(finished.reason)
     return "[" + " | ".join(parts) + "]"
 

@@ -123,6 +123,7 @@ def run_generate(args: argparse.Namespace) -> int:
     check_sampling(args)
     say_loading(args)
     from ..events import Finished, TextChunk
+    from ..launch import rank_stats, ranks_json
     from ..generate import stream_events
     from ..patch import patch
     from ..memory import MemoryGuard
@@ -175,11 +176,12 @@ def run_generate(args: argparse.Namespace) -> int:
         printer.end()
         print("interrupted", file=sys.stderr)
         return 130
+    ranks = rank_stats(finished)  # every rank's KV and peak under mlx.launch, else None
     if args.json:
-        print(json.dumps(as_json(finished, resolved.name, caches[0].budget)))
+        print(json.dumps({**as_json(finished, resolved.name, caches[0].budget), **ranks_json(ranks)}))
     else:
         printer.end()
         if finished.message:
             report(finished.message)
-        print(stats_line(finished), file=sys.stderr, flush=True)
+        print(stats_line(finished, ranks), file=sys.stderr, flush=True)
     return EXIT_CODES[finished.reason]

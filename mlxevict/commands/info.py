@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from typing import Any, Optional
 
 import psutil
 
-from ..budget import AUTO_FRACTION, parse_budget
+from ..budget import AUTO_FRACTION, parse_budget, parse_size
 from ..cache import DEFAULT_BUDGET
+from ..distributed import plan_hosts
 from ..errors import MlxEvictError
 from ..family import DEEPSEEK_R1_DISTILL, FAMILY_NAME, family_plan, is_family_name
 from ..geometry import kv_shape, weights_nbytes
@@ -35,6 +37,7 @@ examples:
   mlxevict info                                        # the demo model
   mlxevict info mlx-community/DeepSeek-R1-Distill      # which distill fits, and its plan
   mlxevict info ./smollm2 --budget 1.5GB --json
+  mlxevict info mlx-community/DeepSeek-R1-Distill-Llama-70B-4bit --hosts 2 --memory 64GB   # over 2 Macs
 """
 
 
@@ -54,6 +57,8 @@ def add_info_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the budget whose savings to show: tokens, 1.5GB or auto (default %(default)s)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--hosts", type=int, help="plan the model split over N machines (mlx.launch -n N)")
+    parser.add_argument("--memory", help="with --hosts: each machine's memory (16GB); default: this machine's")
     parser.set_defaults(func=run_info)
 
 
@@ -153,6 +158,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "auto_kv_nbytes": int(free * AUTO_FRACTION),
         "storage_modes": storage_modes(shape, int(free * AUTO_FRACTION)),
         "openblas": openblas_loaded() if openblas_library() else None,
+        "hosts": _hosts(args, config, weights, per_token, memory.total),
     }
     if family:
         result["family"] = family_plan(memory.total, memory.available, args.budget)
@@ -203,6 +209,8 @@ def render(p: dict[str, Any]) -> str:
         )
     if p["reason"]:
         lines.insert(1, f"chosen        {p['reason']}")
+    if p["hosts"]:
+        lines += _host_lines(p["hosts"])
     if p["openblas"] is not None:
         blas = "OpenBLAS preloaded" if p["openblas"] else "reference BLAS (slow): set LD_PRELOAD to OpenBLAS"
         lines.append(f"cpu blas      {blas}")
@@ -252,3 +260,32 @@ def run_info(args: argparse.Namespace) -> int:
 
 def _label(bits: int | list[int]) -> str:
     return KVStorage.of(bits if isinstance(bits, int) else tuple(bits)).label
+
+
+def _hosts(args: argparse.Namespace, config: dict, weights: Optional[int], per_token: int, total: int):
+    """``--hosts N``: the model over N machines of ``--memory`` each (docs/distributed.md), or ``None``."""
+    if args.hosts is None:
+        if args.memory is not None:
+            raise MlxEvictError("--memory needs --hosts N (the machines the model is split over)")
+        return None
+    if not weights:
+        raise MlxEvictError("--hosts needs the weights' size, which is unknown for this model; download it first")
+    memory = parse_size(args.memory) if args.memory else total
+    try:
+        return asdict(plan_hosts(config, weights, per_token, args.hosts, memory, DEFAULT_MARGIN))
+    except ValueError as err:
+        raise MlxEvictError(str(err)) from None
+
+
+def _host_lines(h: dict[str, Any]) -> list[str]:
+    where = f"{h['hosts']} hosts of {format_bytes(h['memory'])}"
+    if not h["shardable"]:
+        return [f"hosts         {where}: {h['reason']}"]
+    n = h["min_hosts"]
+    fewest = f"; the weights fit on {n} host{'s' if n > 1 else ''} or more" if n else "; no split of the heads fits"
+    return [
+        f"hosts         {where}: {format_bytes(h['weights_per_host'])} of weights each (the embedding and head on "
+        f"every host){fewest}",
+        f"              KV {h['kv_bytes_per_token']:,} bytes per token per host; {format_bytes(h['kv_memory'])} "
+        f"left for KV on each holds {h['full_tokens']:,} tokens of a full cache",
+    ]

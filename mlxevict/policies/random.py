@@ -17,7 +17,10 @@ class RandomPolicy(Policy):
 
     def score(self, cache) -> mx.array:
         self._key, key = mx.random.split(self._key)
-        return mx.random.uniform(shape=cache.positions.shape, key=key)
+        B, H, C = cache.positions.shape
+        # Every head's numbers, as one process holding all heads draws them; this rank keeps its block.
+        shard = cache.shard
+        return mx.random.uniform(shape=(B, H * shard.size, C), key=key)[:, shard.heads(H)]
 
     def config(self) -> dict:
         return {"seed": self.seed}

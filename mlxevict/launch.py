@@ -1,0 +1,192 @@
+"""Running the commands under ``mlx.launch``: a sharded load, one rank that talks, every rank's numbers.
+
+``mlx.launch -n N --backend ring mlxevict generate MODEL -p ...`` starts the same
+command on ``N`` ranks. :func:`join_ranks` (called once by the CLI) makes them
+one program: every rank samples with one seed, only rank 0 prints (the others
+keep their error lines, prefixed by their rank), rank 0 reads the input lines
+and hands them to the others, and a rank that ``mlx.launch`` terminates because
+another failed says so. :func:`load_sharded` loads the model with mlx-lm's
+``sharded_load`` (tensor parallelism: each rank holds ``1/N`` of every layer's
+heads and MLP), so ``make_cache`` builds each rank's caches for its own heads.
+:func:`rank_stats` gathers every rank's KV bytes and peak for the stats line
+and ``--json``. Nothing here acts when the process runs alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, TextIO
+
+import mlx.core as mx
+
+from .distributed import broadcast_text, check_shardable, gather_values, shared_seed, world
+from .errors import MlxEvictError
+from .events import Finished
+from .resolve import Resolved, check_architecture
+from .memory import format_bytes
+
+ERROR_PREFIX = "mlxevict: error: "
+launched = world  # the group of ranks under mlx.launch, None when this process runs alone
+
+
+def rank_name(group: mx.distributed.Group) -> str:
+    return f"rank {group.rank()} of {group.size()}"
+
+
+def join_ranks(args: argparse.Namespace) -> Optional[mx.distributed.Group]:
+    """Make the ranks one program (see the module docstring); ``None`` when running alone."""
+    group = launched()
+    if group is None:
+        return None
+    if getattr(args, "seed", 0) is None:
+        args.seed = shared_seed(group)  # sampling draws the same token on every rank
+    signal.signal(signal.SIGTERM, _terminated)
+    sys.stdin = SharedInput(sys.stdin, group)
+    if group.rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+        sys.stderr = RankErrors(sys.stderr, group, everything=bool(getattr(args, "debug", False)))
+    return group
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    group = world()
+    who = rank_name(group) if group is not None else "this rank"
+    message = f"{ERROR_PREFIX}{who} was terminated (mlx.launch ends every rank when one fails; see its error)\n"
+    os.write(2, message.encode())
+    os._exit(128 + signum)
+
+
+def lost_peer_message(err: BaseException) -> str:
+    """One line for the ring backend's error when another rank went away."""
+    group = world()
+    who = rank_name(group) if group is not None else "this rank"
+    return (
+        f"{who} lost the connection to another rank ({err}): another rank failed or was killed "
+        "(its error, or mlx.launch's warning, names it)"
+    )
+
+
+class RankErrors:
+    """stderr of a rank other than 0: only error lines pass, naming the rank (all lines with ``--debug``)."""
+
+    def __init__(self, stream: TextIO, group: mx.distributed.Group, *, everything: bool = False):
+        self.stream, self.group, self.everything = stream, group, everything
+        self._line = ""
+
+    def write(self, text: str) -> int:
+        self._line += text
+        *lines, self._line = self._line.split("\n")
+        for line in lines:
+            if line.startswith(ERROR_PREFIX):
+                line = f"{ERROR_PREFIX}{rank_name(self.group)}: {line[len(ERROR_PREFIX):]}"
+            elif not self.everything:
+                continue
+            self.stream.write(line + "\n")
+        self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+class SharedInput:
+    """stdin as rank 0 reads it, line by line, on every rank (``mpirun`` feeds only rank 0).
+
+    ``mlx.launch`` never closes the ranks' stdin, so reading it to the end
+    would wait forever: :meth:`read` refuses and says to give ``-p``.
+    """
+
+    def __init__(self, stream: TextIO, group: mx.distributed.Group):
+        self.stream, self.group = stream, group
+
+    def readline(self) -> str:
+        line = self.stream.readline() if self.group.rank() == 0 else ""
+        return broadcast_text(line, 0, self.group)
+
+    def read(self, *_: Any) -> str:
+        raise MlxEvictError("under mlx.launch give the prompt with -p: mlx.launch keeps stdin open, so it never ends")
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+def load_sharded(resolved: Resolved, group: mx.distributed.Group) -> tuple[Any, Any]:
+    """Load ``resolved`` with each rank holding its ``1/N`` of every layer (mlx-lm's ``sharded_load``).
+
+    Raises:
+        MlxEvictError: the heads or MLP do not split over the ranks, or the folder does not load.
+    """
+    config = check_architecture(resolved.path)
+    try:
+        check_shardable(config, group.size())
+    except ValueError as err:
+        raise MlxEvictError(f"{resolved.name}: {err}") from None
+    from mlx_lm.utils import sharded_load
+
+    try:
+        return sharded_load(str(resolved.path), tensor_group=group)
+    except (ValueError, FileNotFoundError, OSError) as err:
+        raise MlxEvictError(f"cannot load {resolved.name} sharded from {resolved.path}: {err}") from None
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank's share of a run: its KV bytes (its heads, all layers), MLX peak and cache entries."""
+
+    rank: int
+    kv_nbytes: int
+    kv_full_nbytes: int
+    mlx_peak: int
+    kept: int
+    capacity: int
+    evicted: int
+    tokens_seen: int
+    generated_tokens: int
+
+
+def rank_stats(finished: Finished) -> Optional[list[RankStats]]:
+    """Every rank's :class:`RankStats` for this turn (one collective; every rank must call it), or ``None`` alone."""
+    group = launched()
+    if group is None:
+        return None
+    p = finished.progress
+    c = p.cache
+    mine = [
+        p.memory.kv_nbytes,
+        p.memory.kv_full_nbytes,
+        p.memory.mlx_peak,
+        c.kept if c else 0,
+        c.capacity if c else 0,
+        c.evicted if c else 0,
+        c.tokens_seen if c else 0,
+        p.generated_tokens,
+    ]
+    return [RankStats(rank, *values) for rank, values in enumerate(gather_values(mine, group))]
+
+
+def rank_line(ranks: Optional[list[RankStats]]) -> str:
+    """``2 ranks: KV 1.1 MiB / 1.1 MiB, peak 40.0 MiB / 40.2 MiB, kept 96/96`` (empty alone)."""
+    if not ranks:
+        return ""
+    kv = " / ".join(format_bytes(r.kv_nbytes) for r in ranks)
+    peak = " / ".join(format_bytes(r.mlx_peak) for r in ranks)
+    kept = "/".join(str(r.kept) for r in ranks)
+    return f"{len(ranks)} ranks: KV {kv}, peak {peak}, kept {kept}"
+
+
+def ranks_json(ranks: Optional[list[RankStats]]) -> dict[str, Any]:
+    """``{"ranks": [...]}`` for ``--json`` (empty alone)."""
+    return {"ranks": [asdict(r) for r in ranks]} if ranks else {}

@@ -1,0 +1,252 @@
+"""Sharded runs under real ``mlx.launch --backend ring`` processes on this machine, against one process.
+
+A random-weight llama with 2 KV heads runs on 2 ranks, the demo model (3 KV heads) on 3: for every
+policy documented as exact (docs/distributed.md) the greedy tokens and the positions each block of
+heads keeps equal the single process's, each rank holds 1/N of its KV bytes, and the budget holds on
+every rank. The commands print once, and a killed rank ends the others with one error line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from model_files import build_tiny_model
+
+from mlxevict.distributed import HostPlan, Shard, check_shardable, plan_hosts, replicated_fraction
+from mlxevict.policies import POLICIES
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+# Every registered policy is exact (docs/distributed.md). Quantized storage is not: its codes can round
+# the other way when the ranks' all_sum rounds the hidden state differently; it must still hold the
+# budget and 1/N of the bytes on every rank, in step.
+EXACT = list(POLICIES)
+QUANTIZED = ["default:8", "default:5,3"]
+HANG_GUARD_S = 600  # a bound so a hung launch fails the test instead of the suite; not a speed assertion
+
+
+def free_port(count: int) -> int:
+    """A first port with ``count`` free ports after it (the ring listens on one per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count < 65535 and all(_free(base + i) for i in range(1, count)):
+            return base
+    raise RuntimeError("no free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def launch_command(ranks: int, *command: str) -> list[str]:
+    launcher = "from mlx._distributed_utils.launch import main; main()"
+    port = str(free_port(ranks))
+    return [sys.executable, "-c", launcher, "-n", str(ranks), "--backend", "ring", "-p", port, "--", *command]
+
+
+def env() -> dict[str, str]:
+    return os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run(command: list[str], stdin: str = "") -> subprocess.CompletedProcess:
+    """Run to the end; stdin stays open (at EOF mlx.launch polls it in a busy loop that takes a core)."""
+    read, write = os.pipe()
+    os.write(write, stdin.encode())
+    proc = subprocess.Popen(command, stdin=read, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    try:
+        out, err = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        end(proc)
+        os.close(read)
+        os.close(write)
+    # mlx.launch exits 0 even when a rank fails, so its output says whether every rank finished.
+    assert "exited with code" not in err and "mlxevict: error" not in err, err[-3000:]
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def end(proc: subprocess.Popen) -> None:
+    """Kill what is left of a launch: the ranks first (killing mlx.launch alone orphans them)."""
+    if proc.poll() is None:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        proc.wait()
+
+
+def worker(tmp_path: Path, model: Path, ranks: int, budget: int, tokens: int, specs: list[str], blocks: int) -> dict:
+    """Run tests/distributed_worker.py alone (``ranks`` 1, reporting ``blocks`` blocks of heads) or on ranks."""
+    out = tmp_path / f"worker{ranks}.json"
+    command = [sys.executable, str(WORKER), str(model), str(out), str(budget), str(tokens), str(blocks), *specs]
+    run(command if ranks == 1 else launch_command(ranks, *command))
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    # head_dim 32, so 8-bit and 5/3-bit storage (group size 32) apply too.
+    return build_tiny_model(tmp_path_factory.mktemp("dist") / "tiny", hidden=128, heads=4, kv_heads=2)
+
+
+def check_sharded(alone: dict, sharded: dict, budget: int, exact: list[str]) -> None:
+    """Every spec: 1/N of the bytes, the budget held and evictions on every rank, all ranks in step;
+    the ``exact`` ones: also one process's greedy tokens and, per block of heads, its kept positions."""
+    assert alone["policies"].keys() == sharded["policies"].keys()
+    for spec, one in alone["policies"].items():
+        many = sharded["policies"][spec]
+        assert len({rank["tokens_crc"] for rank in many["ranks"]}) == 1, spec  # every rank decoded the same
+        for block, (rank, single) in enumerate(zip(many["ranks"], one["ranks"])):
+            assert rank["kv_nbytes"] == single["kv_nbytes"], (spec, block)  # 1/N of one process's bytes
+            if not spec.startswith("full"):
+                assert rank["evictions"] > 0 and rank["most_entries"] <= budget, (spec, rank)
+            if spec in exact:
+                assert rank["tokens_crc"] == single["tokens_crc"], (spec, block)
+                assert rank["positions_crc"] == single["positions_crc"], (spec, block)  # same entries per head
+        if spec in exact:
+            assert many["tokens"] == one["tokens"], spec
+
+
+def test_every_exact_policy_equals_one_process_on_two_ranks(tiny, tmp_path):
+    budget, tokens = 24, 12
+    alone = worker(tmp_path, tiny, 1, budget, tokens, EXACT + QUANTIZED, blocks=2)
+    sharded = worker(tmp_path, tiny, 2, budget, tokens, EXACT + QUANTIZED, blocks=2)
+    assert sharded["ranks"] == 2 and len(alone["policies"]["window"]["ranks"]) == 2
+    check_sharded(alone, sharded, budget, EXACT)
+
+
+@pytest.mark.slow
+def test_demo_model_on_three_ranks_equals_one_process(smollm_path, tmp_path):
+    # Few tokens and specs: 3 ranks on this 2-core machine wait on each other at every layer's all_sum.
+    budget, tokens = 48, 6
+    specs = ["default", "random", "uncertainty"]
+    alone = worker(tmp_path, smollm_path, 1, budget, tokens, specs, blocks=3)
+    sharded = worker(tmp_path, smollm_path, 3, budget, tokens, specs, blocks=3)
+    assert sharded["ranks"] == 3
+    check_sharded(alone, sharded, budget, specs)
+
+
+def cli_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mlxevict.cli", *args]
+
+
+def test_generate_prints_once_with_every_ranks_memory(tiny):
+    args = ["generate", str(tiny), "-p", "Count to ten.", "--temp", "0", "--max-tokens", "12", "--budget", "24"]
+    args.append("--json")
+    alone = json.loads(run(cli_command(*args)).stdout)
+    done = run(launch_command(2, *cli_command(*args)))
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1  # rank 0 prints, rank 1 is quiet
+    sharded = json.loads(lines[0])
+    assert sharded["answer"] == alone["answer"] and sharded["generated_tokens"] == 12
+    ranks = sharded["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert 2 * r["kv_nbytes"] == alone["cache"]["nbytes"]
+        assert r["kept"] <= r["capacity"] == 24 and r["evicted"] > 0
+        assert r["tokens_seen"] == alone["cache"]["tokens_seen"] and r["mlx_peak"] > 0
+    assert "rank" not in done.stderr
+
+
+def test_chat_plain_reads_on_rank_zero_and_prints_rank_stats(tiny):
+    args = ["chat", str(tiny), "--plain", "--temp", "0", "--max-tokens", "8", "--budget", "24"]
+    lines = "Hi there!\nWhat did I say?\n/quit\n"
+    alone = run(cli_command(*args), stdin=lines)
+    done = run(launch_command(2, *cli_command(*args)), stdin=lines)
+    assert done.stdout == alone.stdout and len(done.stdout.strip().splitlines()) == 2
+    stats = [line for line in done.stderr.splitlines() if line.startswith("[")]
+    assert len(stats) == 2 and all("| 2 ranks: KV " in line for line in stats)
+
+
+def test_a_killed_rank_ends_the_others_with_one_error_line(tiny):
+    args = ["generate", str(tiny), "-p", "Go on.", "--temp", "0", "--max-tokens", "1900", "--budget", "24"]
+    proc = subprocess.Popen(
+        launch_command(2, *cli_command(*args)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env(),
+    )
+    try:
+        assert proc.stdout.read(4)  # rank 0 is streaming the answer: mid-generation
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("MLX_RANK") == "1"]
+        ranks[-1].send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        end(proc)
+    err = err.decode()
+    assert "mlxevict: error: rank 0 of 2" in err, err[-3000:]
+    assert "Traceback" not in err
+
+
+def test_info_plans_a_model_over_hosts(tiny, capsys):
+    from mlxevict.cli import main
+
+    assert main(["info", str(tiny), "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert alone["hosts"] is None
+    assert main(["info", str(tiny), "--hosts", "2", "--memory", "16GB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["hosts"]
+    assert plan["hosts"] == 2 and plan["shardable"] and plan["min_hosts"] == 1
+    assert plan["kv_bytes_per_token"] * 2 == alone["kv_bytes_per_token"]
+    assert plan["weights_per_host"] < alone["weights_nbytes"]
+    assert main(["info", str(tiny), "--hosts", "3", "--memory", "16GB"]) == 0
+    assert "do not split over 3 ranks" in capsys.readouterr().out
+    assert main(["info", str(tiny), "--memory", "16GB"]) == 1
+    assert "--memory needs --hosts" in capsys.readouterr().err
+
+
+def test_plan_hosts_splits_the_sharded_weights_and_keeps_the_embedding_on_each():
+    config = dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        num_hidden_layers=2, vocab_size=100, tie_word_embeddings=False,
+    )
+    # Per layer: q,o 2*64*64, k,v 2*64*32, MLP 3*64*128; replicated: 2*100*64 embeddings + 5*64 norms.
+    per_layer, replicated = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128, 2 * 100 * 64 + 5 * 64
+    assert replicated_fraction(config) == pytest.approx(replicated / (replicated + 2 * per_layer))
+    weights = 4 * (replicated + 2 * per_layer)
+    plan = plan_hosts(config, weights, 1024, hosts=2, memory=10**6, margin=1000)
+    assert isinstance(plan, HostPlan) and plan.shardable
+    assert plan.weights_per_host == 4 * replicated + 4 * per_layer
+    assert plan.kv_bytes_per_token == 512 and plan.full_tokens == (10**6 - plan.weights_per_host - 1000) // 512
+    assert plan_hosts(config, weights, 1024, hosts=3, memory=10**6, margin=0).shardable is False
+    # Too small for the weights on one host, enough on two.
+    small = plan_hosts(config, weights, 1024, hosts=1, memory=weights - 2 * per_layer, margin=0)
+    assert small.min_hosts == 2 and small.kv_memory == 0
+
+
+def test_shards_that_do_not_divide_the_heads_are_refused_naming_the_counts_that_do():
+    config = dict(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
+    check_shardable(config, 3)
+    with pytest.raises(ValueError, match="3 KV heads, which do not split over 2 ranks; run mlx.launch with -n 1 or 3"):
+        check_shardable(config, 2)
+
+
+def test_random_draws_on_a_rank_are_its_block_of_the_single_process_draws():
+    import mlx.core as mx
+
+    from mlxevict.cache import EvictingKVCache
+
+    def scores(shard: Shard, heads: int) -> mx.array:
+        cache = EvictingKVCache("random", 16, window=2)
+        cache.shard = shard
+        keys = mx.zeros((1, heads, 3, 8))
+        cache.update_and_fetch(keys, keys)
+        return cache.policy.score(cache)
+
+    alone = scores(Shard(), 4)
+    for rank in range(2):
+        assert mx.array_equal(scores(Shard(rank, 2), 2), alone[:, 2 * rank : 2 * rank + 2])
+    assert not mx.array_equal(alone[:, :2], alone[:, 2:])
