@@ -149,10 +149,10 @@ def make_caches(model: nn.Module, name: str, budget: int | None, settings: Cache
 def entries_within(model: nn.Module, name: str, fraction: float, context: int, settings: CacheSettings) -> int:
     """The most entries per layer whose KV fits ``fraction`` of a 16-bit full cache of ``context`` tokens.
 
-    Bytes as :func:`kv_bytes_16bit` counts them. mlxevict's caches allocate their
-    budget at their first token, so a budget's bytes are measured on one token, not
-    modelled (a window in other bits than the rest is not linear in the budget);
-    ``rotating`` holds 16-bit entries. At most ``context`` entries.
+    Bytes as :func:`kv_bytes_16bit` counts them. mlxevict's caches grow to their
+    budget and then stay flat, so a budget's bytes are measured once it is full
+    (``budget + 1`` tokens fed), not modelled (a window in other bits than the rest is
+    not linear in the budget); ``rotating`` holds 16-bit entries. At most ``context`` entries.
     """
     limit = int(fraction * context * layer_kv_bytes_per_token(model, 2))
     if name == "rotating":
@@ -163,7 +163,7 @@ def entries_within(model: nn.Module, name: str, fraction: float, context: int, s
             caches = make_caches(model, name, budget, settings)
         except ValueError:  # below the protected entries: smaller than any budget that runs
             return True
-        model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+        model(mx.zeros((1, budget + 1), dtype=mx.int32), cache=caches)  # the patch feeds it in chunks that fit
         return kv_bytes_16bit(caches) <= limit
 
     if fits(context):
