@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import load_prompt_cache
 
 from .cache import EvictingKVCache
-from .patch import patch
+from .model_patch import patch
 from .geometry import model_head_dim
 
 

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import mlx.nn as nn
 
 from .cache import DEFAULT_BUDGET, DEFAULT_SINKS, EvictingKVCache
-from .patch import check_supported, patch
+from .model_patch import check_supported, patch
 from .distributed import model_shard
 from .kvstorage import DEFAULT_GROUP_SIZE, KVBits, KVStorage
 from .plan import plan_cache

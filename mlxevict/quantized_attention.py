@@ -1,6 +1,6 @@
 """Attention over quantized entries followed by the recent window, one softmax.
 
-Runs inside the patched ``scaled_dot_product_attention`` (see :mod:`mlxevict.patch`)
+Runs inside the patched ``scaled_dot_product_attention`` (see :mod:`mlxevict.model_patch`)
 for quantized storage (:mod:`mlxevict.quantized_storage`): quantized matmuls over
 the quantized part, plain (or 8-bit) matmuls over the window.
 """

@@ -31,7 +31,7 @@ from .family import (  # noqa: F401 (their old import path)
 )
 from .geometry import read_config
 from .folder_check import check_address_space, check_files, redo_hint
-from .patch import SUPPORTED_ARCHITECTURES
+from .model_patch import SUPPORTED_ARCHITECTURES
 
 DEMO_NAME = "demo"
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]

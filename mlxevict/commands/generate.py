@@ -125,7 +125,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from ..events import Finished, TextChunk
     from ..launch import rank_stats, ranks_json
     from ..generate import stream_events
-    from ..patch import patch
+    from ..model_patch import patch
     from ..memory import MemoryGuard
     from .cache_prompt import check_model, load_saved
     from .common import TextPrinter, budget_option, build_caches, load, stats_line, storage_flags
