@@ -7,6 +7,8 @@ from typing import Sequence
 
 from .cache import EvictingKVCache
 
+FULL_CACHE_STEP = 256  # mlx-lm's KVCache grows its arrays by this many slots
+
 
 @dataclass(frozen=True)
 class CacheStats:
@@ -21,7 +23,8 @@ class CacheStats:
         evicted: tokens dropped so far (tokens seen − kept).
         tokens_seen: the absolute position, ``offset``.
         nbytes: KV bytes allocated now, all layers.
-        full_nbytes: KV bytes a full ``KVCache`` would hold for ``tokens_seen``.
+        full_nbytes: KV bytes a full mlx-lm ``KVCache`` would hold for ``tokens_seen`` (its arrays grow
+            in steps of 256 slots, as this cache's do, so a bounded cache never shows above it).
         kv_bits: storage bits, or (key bits, value bits) (``None``: the model's dtype).
         full_precision_window: with ``kv_bits``, the newest tokens kept in the model's dtype
             (or in ``window_bits``).
@@ -44,6 +47,11 @@ class CacheStats:
     @property
     def saved_nbytes(self) -> int:
         return max(0, self.full_nbytes - self.nbytes)
+
+
+def full_cache_slots(tokens: int) -> int:
+    """Slots mlx-lm's ``KVCache`` holds after ``tokens`` tokens fed one step at a time: whole steps of 256."""
+    return -(-tokens // FULL_CACHE_STEP) * FULL_CACHE_STEP
 
 
 def bytes_per_token(cache: EvictingKVCache) -> int:
@@ -70,7 +78,7 @@ def cache_stats(caches: Sequence[EvictingKVCache]) -> CacheStats:
         evicted=first.offset - kept,
         tokens_seen=first.offset,
         nbytes=sum(c.nbytes for c in evicting),
-        full_nbytes=sum(c.offset * bytes_per_token(c) for c in evicting),
+        full_nbytes=sum(full_cache_slots(c.offset) * bytes_per_token(c) for c in evicting),
         kv_bits=first.kv_bits,
         full_precision_window=first.full_precision_window if first.kv_bits else None,
         window_bits=first.window_bits if first.kv_bits else None,

@@ -8,9 +8,11 @@ from mlx_lm.models.cache import KVCache
 from tiny_models import random_tokens, run_chunks, tiny_model
 
 import mlxevict
+from mlxevict.stats import full_cache_slots
 from mlxevict import make_cache
 from mlxevict.cache import GROW_STEP, MAX_CAPACITIES, grow_step
-from mlxevict.telemetry import storage_nbytes
+from mlxevict.budget import storage_nbytes
+from mlxevict.kvstorage import KVStorage
 
 GROUP = 32
 BUDGET = 1000  # not a multiple of the step: the last capacity is the budget itself
@@ -34,7 +36,7 @@ def test_kv_bytes_never_above_a_full_cache_plus_one_step(storage):
     full = [KVCache() for _ in model.layers]
     tokens = random_tokens(sum(CHUNKS))
     quantized = {k: v for k, v in options.items() if k != "prompt_mode"}
-    budget_nbytes = storage_nbytes(model, BUDGET, **quantized)  # all layers
+    budget_nbytes = storage_nbytes(model, BUDGET, KVStorage.from_options(**quantized))  # all layers
     step = caches[0].step
     assert step == GROW_STEP
     seen, capacities = 0, set()
@@ -44,8 +46,9 @@ def test_kv_bytes_never_above_a_full_cache_plus_one_step(storage):
         seen += size
         stats = mlxevict.cache_stats(caches)
         full_nbytes = sum(c.nbytes for c in full)  # mlx-lm's KVCache, itself grown in steps of 256
-        per_token = stats.full_nbytes // seen
-        assert stats.full_nbytes == seen * per_token
+        per_token = stats.full_nbytes // full_cache_slots(seen)
+        assert stats.full_nbytes == full_cache_slots(seen) * per_token
+        assert stats.nbytes <= stats.full_nbytes, (seen, stats)  # what the stats line, TUI and plots show
         assert stats.nbytes <= seen * per_token + step * per_token, (seen, stats)
         assert stats.nbytes <= full_nbytes + step * per_token
         decoding = size == 1 or options.get("prompt_mode") != "compress"
@@ -64,12 +67,12 @@ def test_a_short_chat_holds_a_short_cache():
     caches = make_cache(model, "default", budget=2048)
     run_chunks(model, caches, random_tokens(30), [20] + [1] * 10)
     stats = mlxevict.cache_stats(caches)
-    assert stats.capacity == GROW_STEP and stats.nbytes == stats.full_nbytes * GROW_STEP // 30
+    assert stats.capacity == GROW_STEP and stats.nbytes == stats.full_nbytes  # both 256 slots of the dtype
 
 
 def test_a_large_budget_grows_at_most_16_times():
     budget = 5000
-    model = tiny_model("llama", layers=1)
+    model = tiny_model("llama", layers=1, max_position_embeddings=8192)  # a budget under the context
     caches = make_cache(model, "window", budget=budget, window=16)
     step = caches[0].step
     assert step == grow_step(budget) == 2 * GROW_STEP
