@@ -242,6 +242,7 @@ def test_random_draws_on_a_rank_are_its_block_of_the_single_process_draws():
     def scores(shard: Shard, heads: int) -> mx.array:
         cache = EvictingKVCache("random", 16, window=2)
         cache.shard = shard
+        cache.model_patched = True  # driven here without a model
         keys = mx.zeros((1, heads, 3, 8))
         cache.update_and_fetch(keys, keys)
         return cache.policy.score(cache)
