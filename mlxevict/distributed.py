@@ -92,8 +92,22 @@ def check_shardable(config: Mapping[str, Any], ranks: int) -> None:
             )
 
 
+def settle() -> None:
+    """Finish the model's queued work before a collective of ours.
+
+    mlx-lm computes the next token ahead on its generation stream, and that
+    forward pass runs the model's own ``all_sum``s; a collective issued meanwhile
+    from another stream could pair with them in a different order on each rank.
+    """
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
+    mx.synchronize()
+
+
 def shared_seed(group: mx.distributed.Group) -> int:
     """A random seed drawn on rank 0 and known to every rank, so sampling stays in step."""
+    settle()
     mine = int(mx.random.randint(0, 2**31 - 1, ()).item()) if group.rank() == 0 else 0
     return int(mx.distributed.all_sum(mx.array(mine, mx.int32), group=group, stream=mx.cpu).item())
 
@@ -104,6 +118,7 @@ def gather_values(values: Sequence[int], group: Optional[mx.distributed.Group] =
     Byte counts can pass 2**31, so each number travels as two 31-bit halves.
     """
     group = group or world()
+    settle()
     halves = [part for v in values for part in (int(v) >> 31, int(v) & (2**31 - 1))]
     gathered = mx.distributed.all_gather(mx.array(halves, mx.int32), group=group, stream=mx.cpu).tolist()
     size = len(halves)
@@ -120,6 +135,7 @@ def first_reason(reason: str, group: Optional[mx.distributed.Group] = None) -> s
     group = group or world()
     if group is None:
         return reason
+    settle()
     flags = mx.distributed.all_gather(mx.array([int(bool(reason))], mx.int32), group=group, stream=mx.cpu)
     stopped = [r for r, flag in enumerate(flags.tolist()) if flag]
     if not stopped:
@@ -131,6 +147,7 @@ def first_reason(reason: str, group: Optional[mx.distributed.Group] = None) -> s
 def broadcast_text(text: str, root: int = 0, group: Optional[mx.distributed.Group] = None) -> str:
     """``text`` as rank ``root`` has it, on every rank (two collectives)."""
     group = group or world()
+    settle()
     data = text.encode() if group.rank() == root else b""
     size = int(mx.distributed.all_sum(mx.array(len(data), mx.int32), group=group, stream=mx.cpu).item())
     mine = mx.array(list(data), mx.int32) if data else mx.zeros((size,), mx.int32)
