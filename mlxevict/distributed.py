@@ -83,23 +83,37 @@ def check_shardable(config: Mapping[str, Any], ranks: int) -> None:
             )
 
 
+def _all_sum(x: mx.array, group: mx.distributed.Group) -> mx.array:
+    """``all_sum`` queued on mlx-lm's generation stream, behind the model's own.
+
+    mlx-lm computes the next token ahead, and that forward pass runs the model's
+    ``all_sum``s on its generation stream; a collective from another stream could
+    pair with them in another order on each rank (seen: garbage per-rank stats on
+    3 ranks), and waiting for the stream instead hangs when a peer dies. On the
+    same stream ours runs after them on every rank, and fails as they do.
+    """
+    from mlx_lm.generate import generation_stream
+
+    return mx.distributed.all_sum(x, group=group, stream=generation_stream)
+
+
 def shared_seed(group: mx.distributed.Group) -> int:
     """A random seed drawn on rank 0 and known to every rank, so sampling stays in step."""
     mine = int(mx.random.randint(0, 2**31 - 1, ()).item()) if group.rank() == 0 else 0
-    return int(mx.distributed.all_sum(mx.array(mine, mx.int32), group=group, stream=mx.cpu).item())
+    return int(_all_sum(mx.array(mine, mx.int32), group).item())
 
 
 def gather_values(values: Sequence[int], group: Optional[mx.distributed.Group] = None) -> list[list[int]]:
-    """Every rank's ``values`` (the same count on each), rank by rank; one collective.
+    """Every rank's ``values`` (the same count on each), rank by rank; one ``all_sum``.
 
     Byte counts can pass 2**31, so each number travels as two 31-bit halves.
     """
     group = group or world()
     halves = [part for v in values for part in (int(v) >> 31, int(v) & (2**31 - 1))]
-    gathered = mx.distributed.all_gather(mx.array(halves, mx.int32), group=group, stream=mx.cpu).tolist()
-    size = len(halves)
-    rows = [gathered[r * size : (r + 1) * size] for r in range(group.size())]
-    return [[(row[i] << 31) + row[i + 1] for i in range(0, size, 2)] for row in rows]
+    table = mx.zeros((group.size(), len(halves)), mx.int32)
+    table[group.rank()] = mx.array(halves, mx.int32)  # each rank fills its row; the sum is every row
+    rows = _all_sum(table, group).tolist()
+    return [[(row[i] << 31) + row[i + 1] for i in range(0, len(row), 2)] for row in rows]
 
 
 def first_reason(reason: str, group: Optional[mx.distributed.Group] = None) -> str:
@@ -111,8 +125,9 @@ def first_reason(reason: str, group: Optional[mx.distributed.Group] = None) -> s
     group = group or world()
     if group is None:
         return reason
-    flags = mx.distributed.all_gather(mx.array([int(bool(reason))], mx.int32), group=group, stream=mx.cpu)
-    stopped = [r for r, flag in enumerate(flags.tolist()) if flag]
+    flags = mx.zeros((group.size(),), mx.int32)
+    flags[group.rank()] = int(bool(reason))
+    stopped = [r for r, flag in enumerate(_all_sum(flags, group).tolist()) if flag]
     if not stopped:
         return ""
     text = reason if group.rank() == stopped[0] else ""
@@ -123,11 +138,11 @@ def broadcast_text(text: str, root: int = 0, group: Optional[mx.distributed.Grou
     """``text`` as rank ``root`` has it, on every rank (two collectives)."""
     group = group or world()
     data = text.encode() if group.rank() == root else b""
-    size = int(mx.distributed.all_sum(mx.array(len(data), mx.int32), group=group, stream=mx.cpu).item())
-    mine = mx.array(list(data), mx.int32) if data else mx.zeros((size,), mx.int32)
+    size = int(_all_sum(mx.array(len(data), mx.int32), group).item())
     if size == 0:
         return ""
-    return bytes(mx.distributed.all_sum(mine, group=group, stream=mx.cpu).tolist()).decode()
+    mine = mx.array(list(data), mx.int32) if data else mx.zeros((size,), mx.int32)
+    return bytes(_all_sum(mine, group).tolist()).decode()
 
 
 def lost_peer(err: BaseException) -> bool:

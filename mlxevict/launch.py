@@ -3,9 +3,8 @@
 ``mlx.launch -n N --backend ring mlxevict generate MODEL -p ...`` starts the same
 command on ``N`` ranks. :func:`join_ranks` (called once by the CLI) makes them
 one program: every rank samples with one seed, only rank 0 prints (the others
-keep their error lines, prefixed by their rank), rank 0 reads the input lines
-and hands them to the others, and a rank that ``mlx.launch`` terminates because
-another failed says so. :func:`load_sharded` loads the model with mlx-lm's
+keep their error lines, prefixed by their rank), and rank 0 reads the input
+lines and hands them to the others. :func:`load_sharded` loads the model with mlx-lm's
 ``sharded_load`` (tensor parallelism: each rank holds ``1/N`` of every layer's
 heads and MLP), so ``make_cache`` builds each rank's caches for its own heads.
 :func:`rank_stats` gathers every rank's KV bytes and peak for the stats line
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, TextIO
@@ -44,20 +42,11 @@ def join_ranks(args: argparse.Namespace) -> Optional[mx.distributed.Group]:
         return None
     if getattr(args, "seed", 0) is None:
         args.seed = shared_seed(group)  # sampling draws the same token on every rank
-    signal.signal(signal.SIGTERM, _terminated)
     sys.stdin = SharedInput(sys.stdin, group)
     if group.rank() != 0:
         sys.stdout = open(os.devnull, "w")
         sys.stderr = RankErrors(sys.stderr, group, everything=bool(getattr(args, "debug", False)))
     return group
-
-
-def _terminated(signum: int, frame: Any) -> None:
-    group = world()
-    who = rank_name(group) if group is not None else "this rank"
-    message = f"{ERROR_PREFIX}{who} was terminated (mlx.launch ends every rank when one fails; see its error)\n"
-    os.write(2, message.encode())
-    os._exit(128 + signum)
 
 
 def lost_peer_message(err: BaseException) -> str:
