@@ -8,6 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
+from ..defaults import LAUNCH_VARIABLES
 from ..errors import MlxEvictError
 from .flags import add_cache_options, add_model_argument, add_sampling_options
 from .sampling import check_sampling
@@ -76,6 +77,11 @@ def _check(args: argparse.Namespace) -> None:
     """Refuse bad server options before a model loads."""
     from .common import storage_flags
 
+    if any(name in os.environ for name in LAUNCH_VARIABLES):
+        raise MlxEvictError(
+            "serve does not run under mlx.launch yet (each request would have to reach every rank); "
+            "run it as one process, or use generate/chat --plain across machines"
+        )
     check_sampling(args)
     storage_flags(args)
     if not 0 <= args.port <= 65535:
