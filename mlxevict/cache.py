@@ -297,13 +297,30 @@ class EvictingKVCache(_BaseCache):
         policy = self.policy
         if not (policy.query_window or policy.observes or policy.uses_prediction_entropy):
             return
+        S, window = queries.shape[2], policy.query_window
+        if not (policy.observes or policy.uses_prediction_entropy) and S > window:
+            # Only the newest query_window queries are read: keep a copy of those, computed now, so
+            # this chunk's queries (every layer's) are not held until the caches are next evaluated.
+            queries = mx.contiguous(queries[:, :, -window:])
+            mx.async_eval(queries)
+            self._pending_queries, self._pending_start = [], self.offset - window
         if not self._pending_queries:
             self._pending_start = self.offset - queries.shape[2]
         self._pending_queries.append(queries)
+        pending = sum(q.shape[2] for q in self._pending_queries)
+        if policy.observes and not policy.uses_prediction_entropy and pending >= PENDING_LIMIT:
+            self.flush(compute=S > 1)  # now rather than at the next call (a policy fed H(p_t) waits for it)
 
     def feed_prediction_entropy(self, entropy: mx.array) -> None:
         """Queue ``H(p_t)`` (``(B, S)`` nats) of the step's positions for the policy."""
         self._pending_entropy.append(entropy)
+
+    def flush(self, compute: bool = False) -> None:
+        """Fold the queued queries into the policy's statistics; ``compute``: start computing them now
+        (for a prompt chunk, so its queries are freed before the whole forward is evaluated)."""
+        self._flush()
+        if compute:
+            mx.async_eval(self._stats, self.recent_queries)
 
     def _flush(self) -> None:
         """Hand the queued queries (and prediction entropies) to the policy, in order."""
@@ -319,7 +336,8 @@ class EvictingKVCache(_BaseCache):
                 B, HG, _, D = queries.shape
                 self.recent_queries = mx.zeros((B, HG, window, D), queries.dtype)
                 self.recent_query_pos = mx.full((window,), -1, mx.int32)
-            self.recent_queries = mx.concatenate([self.recent_queries, queries], axis=2)[:, :, -window:]
+            # a copy, not a view that would hold the whole (window + P)-query buffer
+            self.recent_queries = mx.contiguous(mx.concatenate([self.recent_queries, queries], axis=2)[:, :, -window:])
             self.recent_query_pos = mx.concatenate([self.recent_query_pos, query_pos])[-window:]
         if self.policy.observes:
             self.policy.observe(self, queries, query_pos)

@@ -27,6 +27,9 @@ from .kernels import prediction_entropy_compiled
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 STATS_CHUNK = 256  # most queries per call, bounds the (S x C) attention statistics
+# A policy fed H(p_t) needs every position's logits (B, S, vocab: more bytes a token than the
+# whole KV of a small model): small chunks bound them, computed apart from the logits returned.
+ENTROPY_CHUNK = 16
 _ORIGINAL_SDPA = "_mlxevict_original_sdpa"
 # A module's attention is restored when no live model of it is patched any more.
 _patched_per_module: dict[str, weakref.WeakValueDictionary] = {}  # id(model) -> model
@@ -71,6 +74,13 @@ def _evicting_caches(cache: Any) -> list[EvictingKVCache]:
     return [c for c in cache if isinstance(c, EvictingKVCache)]
 
 
+def _head(model: nn.Module, hidden: mx.array) -> mx.array:
+    """The model's output layer over ``(B, S, hidden)``: what llama, mistral, qwen2 and qwen3 apply."""
+    if model.args.tie_word_embeddings:
+        return model.model.embed_tokens.as_linear(hidden)
+    return model.lm_head(hidden)
+
+
 def _chunked_call(self, inputs: mx.array, cache=None, **kwargs):
     """Run the model in chunks the caches can hold; feed ``H(p_t)`` where wanted."""
     base_call = super(type(self), self).__call__
@@ -80,8 +90,8 @@ def _chunked_call(self, inputs: mx.array, cache=None, **kwargs):
     for c in caches:
         c.model_patched = True
         c.feed_prompt(inputs.shape[1])
-    step = min(STATS_CHUNK, *(c.max_chunk for c in caches))
     wants_entropy = [c for c in caches if c.policy.uses_prediction_entropy]
+    step = min(ENTROPY_CHUNK if wants_entropy else STATS_CHUNK, *(c.max_chunk for c in caches))
     embeddings = kwargs.pop("input_embeddings", None)
     length = inputs.shape[1]
     outputs = []
@@ -90,11 +100,18 @@ def _chunked_call(self, inputs: mx.array, cache=None, **kwargs):
         chunk_kwargs = dict(kwargs)
         if embeddings is not None:
             chunk_kwargs["input_embeddings"] = embeddings[:, start:end]
-        logits = base_call(inputs[:, start:end], cache=cache, **chunk_kwargs)
         if wants_entropy:
-            entropy = prediction_entropy_compiled(logits)  # B, S
+            hidden = self.model(inputs[:, start:end], cache, **chunk_kwargs)  # B, S, hidden
+            entropy = prediction_entropy_compiled(_head(self, hidden))  # B, S
             for c in wants_entropy:
                 c.feed_prediction_entropy(entropy)
+                if end - start > 1:
+                    c.flush(compute=True)  # a prompt chunk's logits are computed and freed now
+            # What is returned is computed again only if read (generate_step reads the last token's):
+            # holding the hidden states, not every position's logits.
+            logits = _head(self, hidden)
+        else:
+            logits = base_call(inputs[:, start:end], cache=cache, **chunk_kwargs)
         outputs.append(logits)
         if end < length:
             # Evaluate the caches now so a long prompt never builds one huge graph.
