@@ -1,4 +1,4 @@
-"""``EvictingKVCache``: fixed-capacity KV storage that a policy keeps under a budget.
+"""``EvictingKVCache``: KV storage that a policy keeps under a budget.
 
 The cache speaks mlx-lm's cache protocol, so any supported model takes it in
 place of ``KVCache``. Storage grows in steps (256 slots, as ``KVCache`` does, or
@@ -7,8 +7,9 @@ stays flat: when new tokens would not fit in the budget, the policy's scores pic
 the entries to keep, and the kept entries are gathered to the front in time order
 (compiled kernels). So KV memory never exceeds a full cache's by more than one
 step, nor ``budget`` entries, and shapes change only at those few fixed
-capacities (the compiled kernels trace once per capacity, not per step). ``offset`` stays the absolute position (RoPE needs it); ``size()`` is
-the number of stored entries.
+capacities (the compiled kernels trace once per capacity, not per step).
+``offset`` stays the absolute position (RoPE needs it); ``size()`` is the number
+of stored entries.
 
 Eviction happens *before* a chunk is appended, using statistics the policy
 collected from earlier queries; it frees ``slack`` extra entries so the next
@@ -31,11 +32,11 @@ from .kernels import compact_compiled, priority_compiled
 from .pins import Pins
 from .policies import Policy, make_policy
 from .quantized_storage import QuantizedStorage
+from .queries import PENDING_LIMIT, QueryLog
 
 DEFAULT_SLACK = 16  # at most; never more than budget // 16 unless asked
 GROW_STEP = 256  # slots storage grows by, as mlx-lm's KVCache
 MAX_CAPACITIES = 16  # most capacities an evicting cache passes through: bounds the kernels' traces
-PENDING_LIMIT = 64  # queued query tokens before statistics are folded in anyway
 PROMPT_MODES = ("evict", "compress")
 
 
@@ -149,10 +150,7 @@ class EvictingKVCache(_BaseCache):
         self._fresh: tuple[int, int, int] | None = None
         self._positions: mx.array | None = None
         self._stats: mx.array | None = None
-        self.recent_queries = self.recent_query_pos = None
-        self._pending_queries: list[mx.array] = []
-        self._pending_start = 0  # position of the first queued query (queued queries are consecutive)
-        self._pending_entropy: list[mx.array] = []
+        self.queries = QueryLog(self.policy)
         self.scale = 1.0
         self.offset = 0  # absolute position: tokens seen so far
         # Set by the patched model's call (mlxevict.patch); a cache loaded or built apart from a
@@ -247,8 +245,8 @@ class EvictingKVCache(_BaseCache):
                 "it was made for another model: build a new one with mlxevict.make_cache(model)"
             )
         n_keep = self._plan(S)
-        if n_keep is None and sum(q.shape[2] for q in self._pending_queries) >= PENDING_LIMIT:
-            self._flush()
+        if n_keep is None and self.queries.count >= PENDING_LIMIT:
+            self.flush()
         if n_keep is not None:
             self._evict(n_keep)
         if self._size + S > self.capacity:
@@ -285,64 +283,32 @@ class EvictingKVCache(_BaseCache):
         )
 
     # ---- attention statistics (called by the patched attention) ----------
-    def observe(self, queries: mx.array, scale: float) -> None:
-        """Queue the step's ``(B, H*G, S, D)`` post-RoPE queries for the policy.
+    recent_queries = property(lambda self: self.queries.recent, doc="``(B, H*G, W, D)`` the newest queries.")
+    recent_query_pos = property(lambda self: self.queries.recent_pos, doc="``(W,)`` their positions.")
 
-        Queries are batched until the next eviction (or ``PENDING_LIMIT`` tokens):
-        between evictions the kept keys only grow, so a causal mask by position
-        gives each queued query exactly the attention row it had at its own step,
-        and one batched kernel call replaces one call per token.
-        """
+    def observe(self, queries: mx.array, scale: float) -> None:
+        """Queue the step's ``(B, H*G, S, D)`` post-RoPE queries for the policy (:mod:`mlxevict.queries`)."""
         self.scale = scale
-        policy = self.policy
-        if not (policy.query_window or policy.observes or policy.uses_prediction_entropy):
-            return
-        S, window = queries.shape[2], policy.query_window
-        if not (policy.observes or policy.uses_prediction_entropy) and S > window:
-            # Only the newest query_window queries are read: keep a copy of those, computed now, so
-            # this chunk's queries (every layer's) are not held until the caches are next evaluated.
-            queries = mx.contiguous(queries[:, :, -window:])
-            mx.async_eval(queries)
-            self._pending_queries, self._pending_start = [], self.offset - window
-        if not self._pending_queries:
-            self._pending_start = self.offset - queries.shape[2]
-        self._pending_queries.append(queries)
-        pending = sum(q.shape[2] for q in self._pending_queries)
-        if policy.observes and not policy.uses_prediction_entropy and pending >= PENDING_LIMIT:
-            self.flush(compute=S > 1)  # now rather than at the next call (a policy fed H(p_t) waits for it)
+        if self.queries.add(queries, self.offset):
+            self.flush(compute=queries.shape[2] > 1)
 
     def feed_prediction_entropy(self, entropy: mx.array) -> None:
         """Queue ``H(p_t)`` (``(B, S)`` nats) of the step's positions for the policy."""
-        self._pending_entropy.append(entropy)
+        self.queries.add_entropy(entropy)
 
     def flush(self, compute: bool = False) -> None:
         """Fold the queued queries into the policy's statistics; ``compute``: start computing them now
         (for a prompt chunk, so its queries are freed before the whole forward is evaluated)."""
-        self._flush()
-        if compute:
-            mx.async_eval(self._stats, self.recent_queries)
-
-    def _flush(self) -> None:
-        """Hand the queued queries (and prediction entropies) to the policy, in order."""
-        if not self._pending_queries:
+        taken = self.queries.take()
+        if taken is None:
             return
-        queries = mx.concatenate(self._pending_queries, axis=2)  # B, H*G, P, D
-        query_pos = mx.arange(self._pending_start, self._pending_start + queries.shape[2], dtype=mx.int32)
-        entropy = mx.concatenate(self._pending_entropy, axis=1) if self._pending_entropy else None
-        self._pending_queries, self._pending_entropy = [], []
-        window = self.policy.query_window
-        if window:
-            if self.recent_queries is None:
-                B, HG, _, D = queries.shape
-                self.recent_queries = mx.zeros((B, HG, window, D), queries.dtype)
-                self.recent_query_pos = mx.full((window,), -1, mx.int32)
-            # a copy, not a view that would hold the whole (window + P)-query buffer
-            self.recent_queries = mx.contiguous(mx.concatenate([self.recent_queries, queries], axis=2)[:, :, -window:])
-            self.recent_query_pos = mx.concatenate([self.recent_query_pos, query_pos])[-window:]
+        queries, query_pos, entropy = taken
         if self.policy.observes:
             self.policy.observe(self, queries, query_pos)
         if self.policy.uses_prediction_entropy and entropy is not None:
             self.policy.feed_prediction_entropy(self, queries, query_pos, entropy)
+        if compute:
+            mx.async_eval(self._stats, self.queries.recent)
 
     # ---- eviction ---------------------------------------------------------
     def _plan(self, S: int) -> int | None:
@@ -358,7 +324,7 @@ class EvictingKVCache(_BaseCache):
                 f"window={self.window}, slack={self.slack}; feed at most {self.max_chunk} tokens per "
                 "call (mlxevict.patch splits longer prompts for you)"
             )
-        self._flush()  # the policy's statistics (and effective budget) must be current
+        self.flush()  # the policy's statistics (and effective budget) must be current
         self._last_budget = min(self.budget, self.policy.effective_budget(self.budget))
         floor = self.sinks + self.protected_window + self.pinned_tokens
         return min(self._size, max(floor, self._last_budget - S - self.slack))
@@ -478,8 +444,8 @@ class EvictingKVCache(_BaseCache):
     def state(self):
         # mlx-lm's save_prompt_cache stores only ``state``, so the metadata rides along.
         # (keys, values, positions, stats, recent queries, their positions, metadata): the layout of 0.1.
-        self._flush()
-        queries = (self.recent_queries, self.recent_query_pos)
+        self.flush()
+        queries = (self.queries.recent, self.queries.recent_pos)
         return (*self.storage.state, self.positions, self.stats, *queries, self.meta_state)
 
     @state.setter
@@ -487,7 +453,7 @@ class EvictingKVCache(_BaseCache):
         self.meta_state = v[6]  # rebuilds the storage its metadata names
         self.storage.state = v[0], v[1]
         self.positions, self.stats = v[2], v[3]
-        self.recent_queries, self.recent_query_pos = v[4:6]
+        self.queries.recent, self.queries.recent_pos = v[4:6]
 
     def feed_prompt(self, S: int) -> None:
         """Pin the prompt as it arrives (:class:`~mlxevict.pins.Pins`): the patched model calls this
