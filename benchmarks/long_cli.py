@@ -36,6 +36,8 @@ def add_long_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long", action="store_true", help="long suite: also 4k and 8k contexts (takes hours on a CPU)")
     p.add_argument("--lengths", type=_ints, default=None, help="long suite: retrieval contexts (default 1024,2048)")
     p.add_argument("--fidelity-texts", type=int, default=None, help="long suite: 2k-token texts per half (default 2)")
+    p.add_argument("--kinds", type=_names, default=None,
+                   help="long suite: retrieval kinds (default passkey,passkeys,keyvalue,reasoning)")
     p.add_argument("--instances", type=int, default=None, help="long suite: rows of each task kind per length (default 1)")
     p.add_argument("--compress-policies", type=_names, default=None,
                    help="long suite: policies also run compressed after prefill (default default,snapkv,tova,window)")
@@ -48,6 +50,8 @@ def add_long_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", type=_names, default=None,
                    help="long suite: groups of test runs (default baselines,policies,compress,memory,chosen)")
     p.add_argument("--chosen-from", default=None, help="long suite: a long.json whose tuning half picks the storage")
+    p.add_argument("--reference-dir", default=None,
+                   help="long suite: keep the full cache's outcomes here and reuse them (runs split across processes)")
 
 
 def long_config(args: argparse.Namespace) -> Any:
@@ -62,9 +66,9 @@ def long_config(args: argparse.Namespace) -> Any:
                  variants=("kivi-k5v3", "tiers-k3v2"), baselines=("quantized4",)) if args.quick else {}  # fmt: skip
     given = dict(
         lengths=args.lengths or ((1024, 2048, 4096, 8192) if args.long else None),
-        fidelity_texts=args.fidelity_texts, instances=args.instances, compress_policies=args.compress_policies,
+        fidelity_texts=args.fidelity_texts, instances=args.instances, kinds=args.kinds, compress_policies=args.compress_policies,
         token_fractions=args.budgets, memory_fractions=args.memory_budgets, variants=args.variants,
-        baselines=args.baselines, splits=args.splits, parts=args.parts,
+        baselines=args.baselines, splits=args.splits, parts=args.parts, reference_dir=args.reference_dir,
         policies=None if args.policies in (None, "all") else _names(args.policies),
     )  # fmt: skip
     settings = CacheSettings(sinks=args.sinks, window=args.window, slack=args.slack)
@@ -75,13 +79,15 @@ def run_long_eval(args: argparse.Namespace) -> int:
     from .cli import ProgressBar, _load, _meta
     from .long_eval import load_chosen, run_long, total_runs
     from .long_report import long_markdown, write_long
+    from .report import write_json
 
     config = long_config(args)
     chosen = load_chosen(args.chosen_from) if args.chosen_from else None
     model, tokenizer, model_name = _load(args.model)
     started = time.perf_counter()
     bar = ProgressBar(total_runs(config))
-    results = run_long(model, tokenizer, config, bar, chosen)
+    partial = args.out / "long.partial.json"
+    results = run_long(model, tokenizer, config, bar, chosen, save=lambda r: write_json({**r, **_meta(args, model_name, 0.0)}, partial))
     bar.close()
     results.update(_meta(args, model_name, time.perf_counter() - started))
     paths = write_long(results, args.out)

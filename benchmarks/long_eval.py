@@ -24,11 +24,15 @@ import json
 import math
 import time
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from . import storage_variants as sv
 from .caches import (
@@ -92,6 +96,7 @@ class LongConfig:
     baselines: tuple[str, ...] = ("quantized8", "quantized4", "quantized3")
     splits: tuple[str, ...] = ("tuning", "test")
     parts: tuple[str, ...] = PARTS  # which groups of the test half's runs
+    reference_dir: str | None = None  # keep the full cache's outcomes here, for runs split across processes
     chunk: int = CHUNK
     settings: CacheSettings = field(default_factory=CacheSettings)
 
@@ -100,8 +105,8 @@ class LongConfig:
         The test half: mlx-lm's caches, every policy per token budget and protocol, and the picked storage."""
         mem = [Run(c, "memory", f) for f in self.memory_fractions for c in ("default", PRODUCT_STORAGE)]
         if split == "tuning":
-            variants = [Run(v, "memory", f) for f in self.memory_fractions for v in self.variants]
-            return [Run(REFERENCE), *mem, *variants]
+            storages = ("default", PRODUCT_STORAGE, *self.variants)
+            return [Run(REFERENCE), *(Run(c, "memory", f) for f in self.memory_fractions for c in storages)]
         groups = {
             "baselines": [Run(b) for b in self.baselines] + [Run("rotating", "tokens", f) for f in self.token_fractions],
             "policies": [Run(p, "tokens", f) for p in self.policies for f in self.token_fractions],
@@ -240,12 +245,22 @@ def _release() -> None:
 
 
 def run_split(
-    model: nn.Module, tokenizer: Any, config: LongConfig, split: str, chosen: dict[float, str], progress: Progress | None
+    model: nn.Module,
+    tokenizer: Any,
+    config: LongConfig,
+    split: str,
+    chosen: dict[float, str],
+    progress: Progress | None,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Every run of ``split``; ``chosen``: memory fraction -> storage name, for :data:`CHOSEN` runs."""
+    """Every run of ``split``; ``chosen``: memory fraction -> storage name, for :data:`CHOSEN` runs.
+
+    ``on_row`` gets the split's results so far after each run (to save partial results).
+    """
     batches = build_batches(tokenizer, config, split)
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
+    result = {"split": split, "seed": SEEDS[split], "rows": rows, "skipped": skipped, "tasks": _describe(batches)}
     runs, picked = [], set()
     for r in config.runs(split):
         if r.cache == CHOSEN and r.fraction not in chosen:
@@ -277,6 +292,10 @@ def run_split(
         for batch in batches:
             L = batch.tokens.shape[1]
             _release()
+            stored = reference_path(config, split, batch) if run == Run(REFERENCE) else None
+            if stored and stored.with_suffix(".json").exists():
+                refs[batch.name] = outcomes[batch.name] = load_reference(stored)
+                continue
             caches = build(model, run, L, config.settings)
             key = (run.cache, batch.name)
             shared = run.protocol == "compress" and type(caches[0]).__name__ == "EvictingKVCache"
@@ -290,13 +309,40 @@ def run_split(
             logits = tail_logits(model, caches, batch, run.protocol, config.chunk, held=shared)
             out = score(batch, logits, refs.get(batch.name))
             out.kv_fraction = kv_fraction(model, caches, L)
-            if run.cache == REFERENCE and run.fraction is None:
+            if run == Run(REFERENCE):
                 refs[batch.name] = out
+                if stored:
+                    save_reference(stored, out)
             outcomes[batch.name] = out
             del caches, logits
         rows.append(_row(run, outcomes, refs, batches, time.perf_counter() - started))
         rows[-1]["picked_on_tuning"] = run in picked
-    return {"split": split, "seed": SEEDS[split], "rows": rows, "skipped": skipped, "tasks": _describe(batches)}
+        if on_row:
+            on_row(result)
+    return result
+
+
+def reference_path(config: LongConfig, split: str, batch: Batch) -> Path | None:
+    """Where the full cache's outcome on ``batch`` is kept between runs (``config.reference_dir``), or ``None``."""
+    if not config.reference_dir:
+        return None
+    digest = zlib.crc32(np.asarray(batch.tokens).tobytes())
+    return Path(config.reference_dir) / f"{split}-{batch.name.replace(' ', '')}-{batch.tail}-{digest:08x}"
+
+
+def save_reference(path: Path, out: Outcome) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if out.logprobs is not None:
+        mx.save(str(path.with_suffix(".npy")), out.logprobs)
+    path.with_suffix(".json").write_text(json.dumps({"correct": out.correct, "kv_fraction": out.kv_fraction}))
+
+
+def load_reference(path: Path) -> Outcome:
+    meta = json.loads(path.with_suffix(".json").read_text())
+    npy = path.with_suffix(".npy")
+    logprobs = mx.load(str(npy)) if npy.exists() else None
+    top1, kl = (1.0, 0.0) if logprobs is not None else (math.nan, math.nan)
+    return Outcome(meta["correct"], logprobs, top1, kl, meta["kv_fraction"])
 
 
 def _same_as(run: Run, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -361,11 +407,13 @@ def run_long(
     config: LongConfig,
     progress: Progress | None = None,
     chosen: dict[float, str] | None = None,
+    save: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The tuning half, the storage it picks, then the test half; results as data.
 
     ``chosen`` (memory fraction -> storage) stands in for a tuning half run earlier
-    (``--chosen-from``); a tuning half in ``config.splits`` replaces it.
+    (``--chosen-from``); a tuning half in ``config.splits`` replaces it. ``save`` gets the
+    results so far after every run.
 
     Returns:
         ``{"kind": "long", "config": ..., "chosen": {fraction: storage}, "splits": {name: {...}}}``.
@@ -377,7 +425,12 @@ def run_long(
     with warnings.catch_warnings(), mlxevict.patched(model):
         warnings.simplefilter("ignore")  # prompt-pinning warnings, once per cache
         for split in config.splits:
-            out = run_split(model, tokenizer, config, split, chosen, progress)
+            def partial(out: dict[str, Any], split: str = split) -> None:
+                results["splits"][split] = out
+                if save:
+                    save(results)
+
+            out = run_split(model, tokenizer, config, split, chosen, progress, partial)
             results["splits"][split] = out
             if split == "tuning":
                 chosen = choose_storage(out["rows"], config.memory_fractions)

@@ -51,7 +51,6 @@ class StorageSpec:
     key_bits: int
     value_bits: int
     key_group: int | None = None
-    rotate_keys: bool = True
     tiers: bool = False
 
     def bytes_per_token(self, head_dim: int) -> dict[str, float]:
@@ -68,11 +67,11 @@ class StorageSpec:
 
 
 VARIANTS = {
-    "sim-k5v3w8": StorageSpec(5, 3),
-    "kivi-k5v3": StorageSpec(5, 3, key_group=64, rotate_keys=False),
-    "kivi-k2v2": StorageSpec(2, 2, key_group=32, rotate_keys=False),
-    "sim-k3v2w8": StorageSpec(3, 2),
     "tiers-k3v2": StorageSpec(3, 2, tiers=True),
+    "kivi-k5v3": StorageSpec(5, 3, key_group=64),
+    "sim-k5v3w8": StorageSpec(5, 3),
+    "kivi-k2v2": StorageSpec(2, 2, key_group=32),
+    "sim-k3v2w8": StorageSpec(3, 2),
 }
 
 

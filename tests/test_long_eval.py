@@ -166,6 +166,17 @@ def test_long_suite_end_to_end_structure(model, tmp_path):
     assert len(merged["splits"]["test"]["rows"]) == len(test["rows"])
 
 
+def test_the_full_caches_outcome_round_trips_through_the_reference_dir(model, tmp_path):
+    config = le.LongConfig(
+        lengths=(LENGTH,), kinds=("passkey",), fidelity_texts=1, fidelity_length=400, fidelity_scored=16,
+        splits=("test",), parts=(), reference_dir=str(tmp_path),
+    )  # fmt: skip
+    first = le.run_long(model, TOK, config)["splits"]["test"]["rows"][0]
+    assert len(list(tmp_path.glob("test-*.json"))) == 2 and len(list(tmp_path.glob("test-fidelity-*.npy"))) == 1
+    again = le.run_long(model, TOK, config)["splits"]["test"]["rows"][0]
+    assert again["retrieval"] == first["retrieval"] and again["fidelity_kl"] == 0.0
+
+
 def test_eval_parser_defaults_to_the_long_suite_and_rejects_short_options():
     parser = argparse.ArgumentParser()
     bcli.add_eval_parser(parser.add_subparsers())
