@@ -48,7 +48,8 @@ def add_long_arguments(p: argparse.ArgumentParser) -> None:
                    help="long suite: mlx-lm's unbudgeted caches (default quantized8,quantized4,quantized3)")
     p.add_argument("--splits", type=_names, default=None, help="long suite: tuning,test (default both, in that order)")
     p.add_argument("--parts", type=_names, default=None,
-                   help="long suite: groups of test runs (default baselines,policies,compress,memory,chosen)")
+                   help="long suite: groups of test runs (default baselines,policies,compress,memory,chosen; "
+                   "also: variants, every simulated storage)")
     p.add_argument("--chosen-from", default=None, help="long suite: a long.json whose tuning half picks the storage")
     p.add_argument("--reference-dir", default=None,
                    help="long suite: keep the full cache's outcomes here and reuse them (runs split across processes)")

@@ -58,7 +58,7 @@ CHOSEN = "chosen"  # the test half's name for the storage the tuning half picked
 TEST_POLICIES = ("default", "window", "snapkv", "tova", "h2o", "entropy", "uncertainty")
 COMPRESS_POLICIES = ("default", "snapkv", "tova", "window")
 PRODUCT_STORAGE = "default:k5v3w8"  # the memory-budget rule's storage today
-PARTS = ("baselines", "policies", "compress", "memory", "chosen")
+PARTS = ("baselines", "policies", "compress", "memory", "chosen")  # "variants": also every simulated storage
 
 Progress = Callable[[str], None]
 
@@ -112,6 +112,7 @@ class LongConfig:
             "policies": [Run(p, "tokens", f) for p in self.policies for f in self.token_fractions],
             "compress": [Run(p, "tokens", f, "compress") for p in self.compress_policies for f in self.token_fractions],
             "memory": mem,
+            "variants": [Run(v, "memory", f) for f in self.memory_fractions for v in self.variants],
             "chosen": [Run(CHOSEN, "memory", f) for f in self.memory_fractions],
         }
         return [Run(REFERENCE), *(r for part in self.parts for r in groups[part])]
