@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .long_eval import choose_storage
 from .report import _num, plot_bytes, table, write_json
 
 
@@ -107,13 +108,17 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     merged["seconds"] = max(p.get("seconds", 0) for p in parts)
     merged["splits"] = {}
     for part in parts:
-        if "tuning" in part["splits"]:
-            merged["chosen"] = part["chosen"]
         for name, split in part["splits"].items():
             into = merged["splits"].setdefault(name, {**split, "rows": [], "skipped": []})
             seen = {(r["cache"], r["budget_of"], r["fraction"], r["protocol"]) for r in into["rows"]}
             into["rows"] += [r for r in split["rows"] if (r["cache"], r["budget_of"], r["fraction"], r["protocol"]) not in seen]
             into["skipped"] += split["skipped"]
+    if "tuning" in merged["splits"]:  # pick again from every tuning row, and mark the picks on the test half
+        tuning = merged["splits"]["tuning"]["rows"]
+        chosen = choose_storage(tuning, tuple(sorted({r["fraction"] for r in tuning if r["budget_of"] == "memory"})))
+        merged["chosen"] = {f"{k:g}": v for k, v in chosen.items()}
+        for row in merged["splits"].get("test", {}).get("rows", []):
+            row["picked_on_tuning"] = row["budget_of"] == "memory" and chosen.get(row["fraction"]) == row["cache"]
     return merged
 
 
