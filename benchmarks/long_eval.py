@@ -105,7 +105,7 @@ class LongConfig:
         The test half: mlx-lm's caches, every policy per token budget and protocol, and the picked storage."""
         mem = [Run(c, "memory", f) for f in self.memory_fractions for c in ("default", PRODUCT_STORAGE)]
         if split == "tuning":
-            storages = ("default", PRODUCT_STORAGE, *self.variants)
+            storages = (*(("default", PRODUCT_STORAGE) if "memory" in self.parts else ()), *self.variants)
             return [Run(REFERENCE), *(Run(c, "memory", f) for f in self.memory_fractions for c in storages)]
         groups = {
             "baselines": [Run(b) for b in self.baselines] + [Run("rotating", "tokens", f) for f in self.token_fractions],
