@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .caches import CacheSettings, cache_names, parse_names
+from .long_cli import add_long_arguments, run_long_eval
 
 DEFAULT_OUT = Path("out")
 # --quick with --policies all: the default policy (also in 5/3 bits), two others and mlx-lm's caches,
@@ -92,11 +93,14 @@ def add_eval_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "eval",
         help="quality vs budget and KV bytes: retrieval, fidelity, generation agreement",
-        description="Evaluate every policy, the default policy stored in 8, 4 and 5/3 bits, and mlx-lm's caches at "
+        description="The long suite (default): facts hidden in 1k and 2k tokens of natural prose (--long: also 4k "
+        "and 8k), fidelity on 2k-token texts, streamed and compressed, budgets in tokens and in bytes, tuning and "
+        "test halves kept apart (mlxevict.benchmarks.long_eval). --suite short: evaluate every policy, the default policy stored in 8, 4 and 5/3 bits, and mlx-lm's caches at "
         "budgets that are fractions of the context (with --memory, of its KV bytes at 16 bits); plot quality "
         "against kept fraction (eval.png) and against KV bytes relative to a 16-bit full cache (eval_bytes.png).",
     )
     _common(p)
+    add_long_arguments(p)
     p.add_argument("--budgets", type=_fractions, default=None, help="fractions of the context (default 0.5,0.25,0.125)")
     p.add_argument("--context", type=int, default=None, help="tokens per retrieval/fidelity sequence (default 512)")
     p.add_argument(
@@ -162,6 +166,8 @@ def _quick_all(args: argparse.Namespace) -> bool:
 
 
 def _run_eval(args: argparse.Namespace) -> int:
+    if args.suite == "long":
+        return run_long_eval(args)
     from .quality import EvalConfig, run_eval
     from .report import eval_markdown, write_eval
     from .terminal import show

@@ -228,6 +228,7 @@ def test_cli_parsers_and_bad_budgets():
     bcli.add_bench_parser(sub)
     args = parser.parse_args(["eval", "demo", "--quick", "--budgets", "0.5,0.25", "--policies", "rkv"])
     assert args.budgets == (0.5, 0.25) and args.quick and args.func is bcli._run_eval and not args.memory
+    assert args.suite == "long"  # the default; the 512-token tasks are --suite short
     assert parser.parse_args(["eval", "demo", "--memory"]).memory
     args = parser.parse_args(["bench", "demo", "--contexts", "128,256"])
     assert args.contexts == (128, 256) and args.func is bcli._run_bench
@@ -243,7 +244,7 @@ def test_quick_eval_and_bench_on_the_real_model(smollm_path, tmp_path, capsys):
     bcli.add_eval_parser(sub)
     bcli.add_bench_parser(sub)
     # One eval budget of --quick's three: the harness end to end, in a third of the time.
-    for verb, options in (("eval", ["--policies", "default,default:q8,rotating", "--budgets", "0.25"]),
+    for verb, options in (("eval", ["--suite", "short", "--policies", "default,default:q8,rotating", "--budgets", "0.25"]),
                           ("bench", ["--policies", "default,rotating"])):  # fmt: skip
         args = parser.parse_args([verb, str(smollm_path), "--quick", "--out", str(tmp_path), *options])
         assert args.func(args) == 0
@@ -259,7 +260,7 @@ def test_quick_eval_and_bench_on_the_real_model(smollm_path, tmp_path, capsys):
     assert (tmp_path / "eval.png").stat().st_size > 0 and (tmp_path / "memory.png").stat().st_size > 0
     # Budgets in memory: the 5/3 default holds more entries than the 16-bit rotating cache in the same bytes.
     args = parser.parse_args(
-        ["eval", str(smollm_path), "--quick", "--memory", "--out", str(tmp_path / "memory"),
+        ["eval", str(smollm_path), "--quick", "--suite", "short", "--memory", "--out", str(tmp_path / "memory"),
          "--policies", "rotating,default:k5v3w8", "--budgets", "0.25"]
     )  # fmt: skip
     assert args.func(args) == 0

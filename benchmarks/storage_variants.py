@@ -1,0 +1,241 @@
+"""Storage variants measured before they are built: simulated (fake-quantized) KV storage.
+
+Each variant keeps a dense cache and replaces every entry by its quantized-then-
+dequantized value (``mx.quantize`` / ``mx.dequantize``) at the moment the real storage
+would quantize it, so attention sees exactly the values the storage would return; the
+bytes are those the storage would hold as a 16-bit model (packed bits plus a 16-bit
+scale and bias per group). Variants (the evidence: ``docs/results/long/README.md``):
+
+- ``sim-k5v3w8``: the product's layout (keys 5 bits, values 3, per token in groups of
+  64 channels, rotated; the newest 32 tokens in 8 bits), to check the simulation;
+- ``kivi-*``: keys quantized per channel over groups of G tokens (KIVI, Liu et al. 2024,
+  https://arxiv.org/abs/2402.02750), unrotated; values per token, rotated; the
+  newest 32 tokens and an unfinished key group stay in 8 bits;
+- ``tiers-*``: precision tiers chosen by the policy's score (MiKV, "No Token Left
+  Behind", Yang et al. 2024, https://arxiv.org/abs/2402.18096): entries leave the
+  window in 8 bits; when the bytes run out, the lowest-scored 8-bit entries are
+  demoted to the low tier; the policy evicts only when every entry in the low tier
+  still would not fit;
+- ``sim-k3v2w8``: the low tier alone (what the tiers add to).
+
+The policy is mlxevict's default for every variant. This module subclasses
+``EvictingKVCache`` and uses its slot layout (``keys``, ``values``, ``_size``, ``_slots``):
+an experiment, not the product's storage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+import mlxevict
+from mlxevict.cache import EvictingKVCache
+
+WINDOW = 32  # newest tokens in 8 bits, as the product's 5/3 storage
+TOKEN_GROUP = 64  # channels per scale for per-token quantization
+DEMOTE_MARGIN = 16  # demote this many extra entries at once, so demotion runs once per ~16 tokens
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """How a simulated storage holds keys and values.
+
+    ``key_group``: tokens per scale for per-channel keys (KIVI), ``None`` for per-token keys.
+    ``tiers``: keep entries in 8 bits while the bytes allow, demoting by score (MiKV).
+    """
+
+    key_bits: int
+    value_bits: int
+    key_group: int | None = None
+    tiers: bool = False
+
+    def bytes_per_token(self, head_dim: int) -> dict[str, float]:
+        """Bytes per token and kv-head (16-bit model): the low tier, 8 bits, and 16 bits."""
+        keys = token_bytes(self.key_bits, head_dim)
+        if self.key_group:
+            keys = head_dim * self.key_bits / 8 + head_dim * 4 / self.key_group
+        return {"low": keys + token_bytes(self.value_bits, head_dim), "8bit": 2 * token_bytes(8, head_dim), "16bit": 4 * head_dim}
+
+    @property
+    def held_back(self) -> int:
+        """Newest tokens never quantized below 8 bits: the window, plus an unfinished key group."""
+        return WINDOW + (self.key_group or 0)
+
+
+VARIANTS = {
+    "tiers-k3v2": StorageSpec(3, 2, tiers=True),
+    "kivi-k5v3": StorageSpec(5, 3, key_group=64),
+    "sim-k5v3w8": StorageSpec(5, 3),
+    "kivi-k2v2": StorageSpec(2, 2, key_group=32),
+    "sim-k3v2w8": StorageSpec(3, 2),
+}
+
+
+def token_bytes(bits: int, head_dim: int) -> float:
+    """One token's vector of ``head_dim`` values at ``bits``, per-token groups of 64, 16-bit scale and bias."""
+    return head_dim * bits / 8 + math.ceil(head_dim / TOKEN_GROUP) * 4
+
+
+def hadamard(n: int) -> mx.array:
+    """The ``n x n`` orthonormal Sylvester–Hadamard matrix (``n`` a power of two)."""
+    h = mx.ones((1, 1))
+    while h.shape[0] < n:
+        h = mx.concatenate([mx.concatenate([h, h], 1), mx.concatenate([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def fake_quant(x: mx.array, bits: int, group: int = TOKEN_GROUP, rotation: mx.array | None = None) -> mx.array:
+    """``x`` ``(..., D)`` quantized per token in groups of ``group`` channels and dequantized back."""
+    if rotation is not None:
+        x = x @ rotation
+    w, s, b = mx.quantize(x, group_size=group, bits=bits)
+    y = mx.dequantize(w, s, b, group_size=group, bits=bits).astype(x.dtype)
+    return y @ rotation.T if rotation is not None else y
+
+
+def fake_quant_channels(x: mx.array, bits: int) -> mx.array:
+    """``x`` ``(B, H, G, D)``: each channel quantized over the ``G`` tokens, dequantized back."""
+    return fake_quant(x.swapaxes(-1, -2), bits, group=x.shape[-2]).swapaxes(-1, -2)
+
+
+class SimulatedStorageCache(EvictingKVCache):
+    """A dense :class:`EvictingKVCache` whose entries carry the quantization error of ``spec``.
+
+    Args:
+        spec: the storage simulated.
+        memory: bytes per kv-head this layer may hold (16-bit model); sets the budget in
+            entries and, with tiers, how many entries stay in 8 bits.
+        head_dim: the model's head dimension.
+        policy, kwargs: as :class:`EvictingKVCache` (``budget`` and ``window`` are set here).
+    """
+
+    def __init__(self, spec: StorageSpec, memory: float, head_dim: int, policy: str = "default", **kwargs: Any):
+        self.spec, self.memory = spec, memory
+        self.cost = spec.bytes_per_token(head_dim)
+        budget = entries_for(spec, memory, head_dim)
+        super().__init__(policy, budget, window=spec.held_back, **kwargs)
+        self.rotation = hadamard(head_dim)
+        self.done = 0  # positions below this have left the window and hold their stored precision
+        self.low = None  # B, H, C: True where an entry is in the low tier
+
+    # ---- slot layout: the tier mask travels with the entries ----------------------------
+    def _slots(self) -> list[mx.array]:
+        return [*super()._slots(), self.low]
+
+    def _set_slots(self, arrays: list[mx.array]) -> None:
+        super()._set_slots(arrays[:-1])
+        self.low = arrays[-1]
+
+    def _allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype) -> None:
+        super()._allocate(B, H, D, Dv, dtype)
+        self.low = mx.zeros(self.positions.shape, mx.bool_)
+
+    def _resize(self, capacity: int) -> None:
+        super()._resize(capacity)
+        low = self.low[..., :capacity]
+        pad = capacity - low.shape[-1]
+        self.low = mx.concatenate([low, mx.zeros((*low.shape[:2], pad), mx.bool_)], -1) if pad > 0 else low
+
+    # ---- the step ----------------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        S = keys.shape[2]
+        super().update_and_fetch(keys, values)
+        size = self._size
+        # New entries arrive in the 8-bit window.
+        self.keys[..., size - S : size, :] = fake_quant(self.keys[..., size - S : size, :], 8)
+        self.values[..., size - S : size, :] = fake_quant(self.values[..., size - S : size, :], 8)
+        self._settle()
+        if self.spec.tiers:
+            self._demote()
+        return self._fetch()
+
+    def _slot(self, position: int) -> int:
+        """The slot of ``position``: every position since ``done`` is held, in order, at the end."""
+        return self._size - (self.offset - position)
+
+    def _settle(self) -> None:
+        """Quantize the entries that left the window (keys per channel: whole groups only)."""
+        spec, limit = self.spec, self.offset - WINDOW
+        group = spec.key_group or max(limit - self.done, 0)
+        while group and self.done + group <= limit:
+            a, b = self._slot(self.done), self._slot(self.done + group)
+            if spec.tiers:  # the high tier: 8 bits until demoted
+                self.keys[..., a:b, :] = fake_quant(self.keys[..., a:b, :], 8)
+            elif spec.key_group:
+                self.keys[..., a:b, :] = fake_quant_channels(self.keys[..., a:b, :], spec.key_bits)
+            else:
+                self.keys[..., a:b, :] = fake_quant(self.keys[..., a:b, :], spec.key_bits, rotation=self.rotation)
+            bits = 8 if spec.tiers else spec.value_bits
+            self.values[..., a:b, :] = fake_quant(self.values[..., a:b, :], bits, rotation=self.rotation)
+            if not spec.tiers:
+                self.low[..., a:b] = True
+            self.done += group
+
+    def high_allowed(self) -> int:
+        """Entries outside the window that may stay in 8 bits within ``memory``."""
+        held = self.offset - self.done
+        outside = self._size - held
+        room = self.memory - held * self.cost["8bit"] - outside * self.cost["low"]
+        return max(0, min(outside, int(room // (self.cost["8bit"] - self.cost["low"]))))
+
+    def _demote(self) -> None:
+        """Move the lowest-scored 8-bit entries to the low tier until the bytes fit."""
+        outside = self._size - (self.offset - self.done)
+        allowed = self.high_allowed()
+        C = self.low.shape[-1]
+        candidate = (mx.arange(C) < outside) & ~self.low  # B, H, C
+        count = candidate.sum(axis=-1, keepdims=True)  # B, H, 1
+        if count.max().item() <= allowed:
+            return
+        self._flush()
+        score = mx.where(candidate, self.policy.score(self), mx.inf)  # B, H, C
+        rank = mx.argsort(mx.argsort(score, axis=-1), axis=-1)
+        demote = candidate & (rank < count - max(allowed - DEMOTE_MARGIN, 0))
+        spec, rot = self.spec, self.rotation
+        self.keys = mx.where(demote[..., None], fake_quant(self.keys, spec.key_bits, rotation=rot), self.keys)
+        self.values = mx.where(demote[..., None], fake_quant(self.values, spec.value_bits, rotation=rot), self.values)
+        self.low = self.low | demote
+
+    def stored_bytes(self) -> float:
+        """Bytes per kv-head this layer's storage would hold now (16-bit model)."""
+        held = self.offset - self.done
+        low = int(self.low[..., : self._size].sum(axis=-1).max().item())
+        high = self._size - held - low
+        return held * self.cost["8bit"] + high * self.cost["8bit"] + low * self.cost["low"]
+
+
+def entries_for(spec: StorageSpec, memory: float, head_dim: int) -> int:
+    """Most entries per kv-head ``memory`` bytes hold with ``spec`` (the window in 8 bits, the rest low)."""
+    cost = spec.bytes_per_token(head_dim)
+    return spec.held_back + int((memory - spec.held_back * cost["8bit"]) // cost["low"])
+
+
+def head_dim_of(model: nn.Module) -> int:
+    args = model.args
+    return getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+
+
+def make_simulated(model: nn.Module, name: str, fraction: float, context: int, **kwargs: Any) -> list[SimulatedStorageCache]:
+    """One simulated cache per layer holding ``fraction`` of a 16-bit full cache's bytes at ``context``.
+
+    Raises:
+        ValueError: an unknown variant name, or a budget below the window.
+    """
+    if name not in VARIANTS:
+        raise ValueError(f"unknown storage variant {name!r}; choose from {', '.join(VARIANTS)}")
+    D = head_dim_of(model)
+    spec = VARIANTS[name]
+    memory = fraction * context * spec.bytes_per_token(D)["16bit"]
+    caches = [SimulatedStorageCache(spec, memory, D, **kwargs) for _ in model.layers]
+    mlxevict.patch(model)
+    return caches
+
+
+def simulated_fraction(caches: list[SimulatedStorageCache], context: int, head_dim: int) -> float:
+    """Bytes the simulated storage holds now, as a share of a 16-bit full cache of ``context`` tokens."""
+    per_head = max(c.stored_bytes() for c in caches)
+    return per_head / (context * 4 * head_dim)

@@ -1,0 +1,205 @@
+"""The long suite of ``mlxevict eval``: prose halves, long tasks, protocols, simulated storage, end to end.
+
+Fast tests use a random-weight llama with a byte tokenizer; the slow one runs
+``mlxevict eval demo --quick`` (the long suite) on the real SmolLM2 model. They
+check structure and invariants, never the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import mlx.core as mx
+import pytest
+
+from tiny_models import tiny_model
+
+import mlxevict
+from mlxevict.benchmarks import cli as bcli
+from mlxevict.benchmarks import long_eval as le
+from mlxevict.benchmarks import long_cli, long_report, long_tasks, prose, tasks
+from mlxevict.benchmarks import storage_variants as sv
+from mlxevict.benchmarks.caches import CacheSettings, make_caches
+
+TOK = tasks.ByteTokenizer()
+LENGTH = 1200  # bytes: room for three facts and the question
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(vocab_size=TOK.vocab_size, head_dim=64)
+
+
+# ---- prose and tasks ------------------------------------------------------------------
+def test_tuning_and_test_halves_share_no_document_and_each_has_several_sources():
+    tuning, test = prose.documents("tuning"), prose.documents("test")
+    assert not {(d.source, d.name) for d in tuning} & {(d.source, d.name) for d in test}
+    assert len(prose.sources("tuning")) >= 2 and len(prose.sources("test")) >= 2
+    assert not {d.text for d in tuning} & {d.text for d in test}
+
+
+def test_a_missing_source_is_one_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(prose, "license_path", lambda: str(tmp_path / "LICENSE.txt"))
+    prose.documents.cache_clear()
+    try:
+        with pytest.raises(FileNotFoundError, match="licence text is missing at .*LICENSE.txt"):
+            prose.documents("test")
+    finally:
+        prose.documents.cache_clear()
+
+
+def test_long_rows_hide_the_facts_in_the_streamed_text():
+    rows = long_tasks.make_long_rows(TOK, LENGTH, "tuning", seed=0)
+    assert rows == long_tasks.make_long_rows(TOK, LENGTH, "tuning", seed=0)
+    assert [r.kind for r in rows] == list(long_tasks.KINDS)
+    for row in rows:
+        assert len(row.tokens) == LENGTH
+        body = TOK.decode(row.tokens[: row.question_start])
+        for a, b in row.answers:
+            answer = TOK.decode(row.tokens[a:b]).strip()
+            assert answer in row.facts.values() and answer in body
+            assert a >= row.question_start
+        # every fact comes after the first streamed chunk, in order of depth
+        assert all(d * LENGTH >= long_tasks.FIRST_FACT_AFTER for d in row.depths)
+        assert row.depths == sorted(row.depths)
+    spread = rows[1].depths  # three pass keys
+    assert spread[-1] - spread[0] > 0.5
+    other = long_tasks.make_long_rows(TOK, LENGTH, "test", seed=1)
+    assert all(a.tokens != b.tokens for a, b in zip(rows, other))
+
+
+def test_long_texts_come_from_the_asked_half():
+    texts = long_tasks.make_long_texts(TOK, 2, 600, "test", seed=1)
+    assert all(len(t) == 600 for t in texts) and texts[0] != texts[1]
+    assert TOK.decode(texts[0])[:200] in "\n\n".join(d.text for d in prose.documents("test"))
+
+
+def test_choose_storage_uses_retrieval_first_then_kl():
+    rows = [
+        {"cache": "a", "budget_of": "memory", "fraction": 0.25, "retrieval_accuracy": 1.0, "fidelity_kl": 0.05},
+        {"cache": "b", "budget_of": "memory", "fraction": 0.25, "retrieval_accuracy": 0.5, "fidelity_kl": 0.01},
+        {"cache": "c", "budget_of": "memory", "fraction": 0.25, "retrieval_accuracy": 1.0, "fidelity_kl": 0.03},
+        {"cache": "d", "budget_of": "tokens", "fraction": 0.25, "retrieval_accuracy": 1.0, "fidelity_kl": 0.0},
+    ]
+    assert le.choose_storage(rows, (0.25, 0.125)) == {0.25: "c"}
+
+
+# ---- protocols -------------------------------------------------------------------------
+def test_a_forked_compress_prefill_equals_its_own_prefill(model):
+    x = mx.random.randint(0, 256, (2, 300), key=mx.random.key(3))
+    settings = CacheSettings()
+    with mlxevict.patched(model):
+        run = le.Run("default", "tokens", 0.25, "compress")
+        direct = le.build(model, run, 300, settings)
+        le.feed(model, direct, x, 0, 260, 64)
+        held = le.build(model, le.Run("default", "tokens", 1.0, "compress"), 300, settings)
+        le.feed(model, held, x, 0, 260, 64)
+        forked = le.fork(held, le.build(model, run, 300, settings), 64)
+        a = mx.concatenate(le.feed(model, direct, x, 260, 300, 1), axis=1)
+        b = mx.concatenate(le.feed(model, forked, x, 260, 300, 1), axis=1)
+    assert direct[0].evictions > 0 and forked[0].size() == direct[0].size() <= 75
+    assert mx.allclose(a, b, atol=1e-5)
+
+
+# ---- simulated storage -------------------------------------------------------------------
+def test_fake_quantization_is_close_and_channel_groups_quantize_over_tokens():
+    x = mx.random.normal((1, 2, 32, 64), key=mx.random.key(0))
+    for bits in (8, 5, 3):
+        err = mx.abs(sv.fake_quant(x, bits, rotation=sv.hadamard(64)) - x).mean().item()
+        assert 0 < err < 2.0 ** (2 - bits)
+    per_channel = sv.fake_quant_channels(x, 4)
+    assert mx.allclose(per_channel, sv.fake_quant(x.swapaxes(-1, -2), 4, group=32).swapaxes(-1, -2))
+    assert mx.allclose(sv.hadamard(64) @ sv.hadamard(64).T, mx.eye(64), atol=1e-5)
+
+
+def test_spec_bytes_match_the_product_layout():
+    cost = sv.VARIANTS["sim-k5v3w8"].bytes_per_token(64)
+    assert cost["low"] / cost["16bit"] == pytest.approx(72 / 256)  # the issue's "5/3 bits ≈ 28%"
+    assert sv.VARIANTS["kivi-k5v3"].bytes_per_token(64)["low"] == cost["low"]  # groups of 64 tokens: same bytes
+
+
+@pytest.mark.parametrize("name", ["tiers-k3v2", "kivi-k2v2", "sim-k5v3w8"])
+def test_simulated_storage_holds_its_bytes_and_tiers_evict_only_when_the_low_tier_is_full(model, name):
+    context, fraction = 600, 0.25
+    x = mx.random.randint(0, 256, (1, context), key=mx.random.key(1))
+    with mlxevict.patched(model):
+        caches = sv.make_simulated(model, name, fraction, context)
+        limit = fraction * context * 256
+        fits = sv.entries_for(sv.VARIANTS[name], limit, 64)
+        for start in range(0, context, 16):
+            model(x[:, start : start + 16], cache=caches)
+            c = caches[0]
+            assert c.stored_bytes() <= limit + 1e-6
+            if c.offset <= fits:
+                assert c.evictions == 0
+    assert caches[0].offset == context and caches[0].size() <= fits
+
+
+# ---- end to end ----------------------------------------------------------------------------
+def test_long_suite_end_to_end_structure(model, tmp_path):
+    config = le.LongConfig(
+        lengths=(LENGTH,), kinds=("passkeys",), fidelity_texts=1, fidelity_length=LENGTH, fidelity_scored=32,
+        policies=("default",), compress_policies=("default",), token_fractions=(0.25,), memory_fractions=(0.25,),
+        variants=("tiers-k3v2",), baselines=("quantized4",),
+    )  # fmt: skip
+    labels = []
+    results = le.run_long(model, TOK, config, labels.append)
+    assert set(results["splits"]) == {"tuning", "test"}
+    assert len(labels) == sum(len(s["rows"]) for s in results["splits"].values()) <= le.total_runs(config)
+    assert results["chosen"]["0.25"] in ("default", le.PRODUCT_STORAGE, "tiers-k3v2")
+    test = results["splits"]["test"]
+    keys = {(r["cache"], r["protocol"], r["budget_of"]) for r in test["rows"]}
+    assert {("kvcache", "stream", None), ("quantized4", "stream", None), ("rotating", "stream", "tokens"),
+            ("default", "compress", "tokens"), (le.PRODUCT_STORAGE, "stream", "memory")} <= keys  # fmt: skip
+    assert sum(r["picked_on_tuning"] for r in test["rows"]) == 1
+    for row in test["rows"]:
+        assert row["retrieval"][1] == test["rows"][0]["retrieval"][1]  # the full cache's answers, for every row
+        assert 0 < row["kv_fraction_16bit"] <= 1.0 and row["fidelity_kl"] >= 0
+    ref = test["rows"][0]
+    assert ref["fidelity_top1"] == 1.0 and ref["fidelity_kl"] == 0.0
+    paths = long_report.write_long(results, tmp_path)
+    assert {p.name for p in paths} == {"long.json", "long.md", "long_tuning.png", "long_test.png"}
+    md = (tmp_path / "long.md").read_text()
+    assert "## test half (seed 1)" in md and "Ranking" in md and "(picked on tuning)" in md
+    merged = long_report.merge([results, json.loads((tmp_path / "long.json").read_text())])
+    assert len(merged["splits"]["test"]["rows"]) == len(test["rows"])
+
+
+def test_the_full_caches_outcome_round_trips_through_the_reference_dir(model, tmp_path):
+    config = le.LongConfig(
+        lengths=(LENGTH,), kinds=("passkey",), fidelity_texts=1, fidelity_length=400, fidelity_scored=16,
+        splits=("test",), parts=(), reference_dir=str(tmp_path),
+    )  # fmt: skip
+    first = le.run_long(model, TOK, config)["splits"]["test"]["rows"][0]
+    assert len(list(tmp_path.glob("test-*.json"))) == 2 and len(list(tmp_path.glob("test-fidelity-*.npy"))) == 1
+    again = le.run_long(model, TOK, config)["splits"]["test"]["rows"][0]
+    assert again["retrieval"] == first["retrieval"] and again["fidelity_kl"] == 0.0
+
+
+def test_eval_parser_defaults_to_the_long_suite_and_rejects_short_options():
+    parser = argparse.ArgumentParser()
+    bcli.add_eval_parser(parser.add_subparsers())
+    args = parser.parse_args(["eval", "demo", "--out", "docs/results/long"])
+    assert args.suite == "long" and not args.long
+    config = long_cli.long_config(args)
+    assert config.lengths == (1024, 2048) and config.splits == ("tuning", "test")
+    assert long_cli.long_config(parser.parse_args(["eval", "demo", "--long"])).lengths[-1] == 8192
+    with pytest.raises(ValueError, match="--memory belongs to the 512-token suite: add --suite short"):
+        long_cli.long_config(parser.parse_args(["eval", "demo", "--memory"]))
+
+
+@pytest.mark.slow
+def test_quick_long_eval_on_the_real_model(smollm_path, tmp_path):
+    parser = argparse.ArgumentParser()
+    bcli.add_eval_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["eval", str(smollm_path), "--quick", "--out", str(tmp_path), "--splits", "test", "--parts", "memory",
+         "--kinds", "passkey"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    results = json.loads((tmp_path / "long.json").read_text())
+    rows = {r["cache"]: r for r in results["splits"]["test"]["rows"]}
+    assert set(rows) == {"kvcache", "default", le.PRODUCT_STORAGE}
+    assert rows[le.PRODUCT_STORAGE]["kv_fraction_16bit"] <= 0.25
+    assert (tmp_path / "long_test.png").stat().st_size > 0
