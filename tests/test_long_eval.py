@@ -20,7 +20,7 @@ from mlxevict.benchmarks import cli as bcli
 from mlxevict.benchmarks import long_eval as le
 from mlxevict.benchmarks import long_cli, long_report, long_tasks, prose, tasks
 from mlxevict.benchmarks import storage_variants as sv
-from mlxevict.benchmarks.caches import CacheSettings, make_caches
+from mlxevict.benchmarks.caches import CacheSettings
 
 TOK = tasks.ByteTokenizer()
 LENGTH = 1200  # bytes: room for three facts and the question
