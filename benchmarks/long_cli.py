@@ -90,7 +90,7 @@ def run_long_eval(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     bar = ProgressBar(total_runs(config))
     partial = args.out / "long.partial.json"
-    results = run_long(model, tokenizer, config, bar, chosen, save=lambda r: write_json({**r, **_meta(args, model_name, 0.0)}, partial))
+    results = run_long(model, tokenizer, config, bar, chosen, save=lambda r: write_json({**r, **_meta(args, model_name, time.perf_counter() - started)}, partial))
     bar.close()
     results.update(_meta(args, model_name, time.perf_counter() - started))
     paths = write_long(results, args.out)
