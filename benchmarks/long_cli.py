@@ -40,10 +40,12 @@ def add_long_arguments(p: argparse.ArgumentParser) -> None:
                    help="long suite: retrieval kinds (default passkey,passkeys,keyvalue,reasoning)")
     p.add_argument("--instances", type=int, default=None, help="long suite: rows of each task kind per length (default 1)")
     p.add_argument("--compress-policies", type=_names, default=None,
-                   help="long suite: policies also run compressed after prefill (default default,snapkv,tova,window)")
+                   help="long suite: policies also run compressed after prefill (default default,snapkv)")
     p.add_argument("--memory-budgets", type=_floats, default=None,
                    help="long suite: shares of a 16-bit full cache's bytes (default 0.25,0.125)")
-    p.add_argument("--variants", type=_names, default=None, help="long suite: simulated storages tried on the tuning half")
+    p.add_argument("--variants", type=_names, default=None,
+                   help="long suite: simulated storages tried on the tuning half (default kivi-k5v3,tiers-k3v2; also "
+                   "sim-k5v3w8, kivi-k2v2, sim-k3v2w8)")
     p.add_argument("--baselines", type=_names, default=None,
                    help="long suite: mlx-lm's unbudgeted caches (default quantized8,quantized4,quantized3)")
     p.add_argument("--splits", type=_names, default=None, help="long suite: tuning,test (default both, in that order)")
@@ -88,7 +90,7 @@ def run_long_eval(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     bar = ProgressBar(total_runs(config))
     partial = args.out / "long.partial.json"
-    results = run_long(model, tokenizer, config, bar, chosen, save=lambda r: write_json({**r, **_meta(args, model_name, 0.0)}, partial))
+    results = run_long(model, tokenizer, config, bar, chosen, save=lambda r: write_json({**r, **_meta(args, model_name, time.perf_counter() - started)}, partial))
     bar.close()
     results.update(_meta(args, model_name, time.perf_counter() - started))
     paths = write_long(results, args.out)

@@ -55,11 +55,16 @@ def ranking(split: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _minutes(results: dict[str, Any]) -> str:
+    rows = [r for split in results["splits"].values() for r in split["rows"]]
+    return f"{sum(r['seconds'] for r in rows) / 60:.0f} min of runs in all, " if rows else ""
+
+
 def long_markdown(results: dict[str, Any]) -> str:
     cfg = results["config"]
     out = [
         f"# Long-context evaluation ({results.get('model', '')})\n",
-        f"Command: `{results.get('command', '')}` ({results.get('seconds', 0) / 60:.0f} min, {results.get('machine', '')}).\n",
+        f"Command: `{results.get('command', '')}` ({_minutes(results)}{results.get('machine', '')}).\n",
         f"Retrieval rows of {', '.join(map(str, cfg['lengths']))} tokens (kinds: {', '.join(cfg['kinds'])}; "
         f"{cfg['instances']} row of each per length), facts inside the streamed prose; an answer counts when every "
         "answer token is the greedy choice under teacher forcing, over the answers the full cache gets. "
