@@ -36,7 +36,7 @@ def _matmul(x: mx.array, entries: Entries, transpose: bool, group_size: int, bit
 
     On the CPU a step of several queries (a prompt chunk) dequantizes first: MLX's
     CPU quantized matmul does not use BLAS, and one dequantized copy costs less than
-    the product (README, "Quality per byte": prefill about 2x). One query (decoding),
+    the product (docs/results/history.md, "Quality per byte": prefill about 2x). One query (decoding),
     and any step on the GPU, use the quantized matmul, as mlx-lm does.
     """
     if _quantized(entries):

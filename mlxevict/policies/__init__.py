@@ -34,7 +34,7 @@ POLICIES: dict[str, type[Policy]] = {
     )
 }
 
-# Which policy "default" means, and why: see README "Choosing the default".
+# Which policy "default" means, and why: docs/results/history.md, "Choosing the default".
 DEFAULT_POLICY = "anchored"
 
 

@@ -5,7 +5,7 @@ thinking rarely attends back to it, so attention-based scores (and the recent
 window) let the facts of the prompt decay. This policy pins the prompt (when it
 fits in 3/4 of the room the budget leaves) and ranks everything else as
 :class:`SnapKVPolicy` does, the best fidelity among the single signals measured
-in ``docs/results``. See README, "Choosing the default".
+in ``docs/results``. See docs/results/history.md, "Choosing the default".
 """
 
 from .snapkv import DEFAULT_KERNEL, SnapKVPolicy

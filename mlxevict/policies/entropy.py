@@ -3,7 +3,7 @@
 A token's score is the Shannon entropy of its own attention row, computed once
 when the token is processed (per head, averaged over each kv-head's query group).
 High entropy = the token looked everywhere = "glue"; low entropy = a logical anchor.
-Founding write-up: README, "The two ideas". Note the nearest published use of
+Founding write-up (the project brief; results in docs/results/long/README.md). Note the nearest published use of
 attention entropy (e.g. CAKE, https://arxiv.org/abs/2503.12491) runs the other way:
 it gives *more* budget to high-entropy layers.
 """
