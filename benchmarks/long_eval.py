@@ -155,15 +155,18 @@ def feed(model: nn.Module, caches: list[Any], tokens: mx.array, a: int, b: int, 
     return out
 
 
-def fork(prefilled: list[Any], fresh: list[Any], first_chunk: int) -> list[Any]:
+def fork(prefilled: list[Any], fresh: list[Any], chunk: int) -> list[Any]:
     """``fresh`` caches (a budget not yet used) holding what ``prefilled`` holds after a compress-mode prefill.
 
     Before compression a compress-mode cache holds every token whatever its budget; only
-    the budget-dependent settings (budget, window, slack, the prompt pin) differ.
+    the budget-dependent settings (budget, window, slack, the prompt pin) differ. The
+    prompt pin is replayed over the prefill's ``chunk``-token calls, as the patched model
+    would have fed it to ``fresh`` (:meth:`~mlxevict.cache.EvictingKVCache.feed_prompt`).
     """
     for old, new in zip(prefilled, fresh):
-        if new.policy.pins_prompt:
-            new.pin_prompt(first_chunk)
+        for s, e in _chunks(0, old.offset, chunk):
+            new.offset = s
+            new.feed_prompt(e - s)
         meta, held = new._meta(), old._meta()
         meta.update({k: held[k] for k in ("policy_state", "offset", "size", "evictions", "scale")})
         new.state = (*old.state[:6], json.dumps(meta))

@@ -18,9 +18,10 @@ scale and bias per group). Variants (the evidence: ``docs/results/long/README.md
   still would not fit;
 - ``sim-k3v2w8``: the low tier alone (what the tiers add to).
 
-The policy is mlxevict's default for every variant. This module subclasses
-``EvictingKVCache`` and uses its slot layout (``keys``, ``values``, ``_size``, ``_slots``):
-an experiment, not the product's storage.
+The policy is mlxevict's default for every variant. The entries and their tier mask are
+a storage component (:class:`SimulatedStorage`, a ``DenseStorage`` with a ``low`` slot
+array); :class:`SimulatedStorageCache` adds the window's settling and the demotion after
+each step: an experiment, not the product's storage.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import mlx.nn as nn
 
 import mlxevict
 from mlxevict.cache import EvictingKVCache
+from mlxevict.dense_storage import DenseStorage, fit_slots
 
 WINDOW = 32  # newest tokens in 8 bits, as the product's 5/3 storage
 TOKEN_GROUP = 64  # channels per scale for per-token quantization
@@ -102,56 +104,68 @@ def fake_quant_channels(x: mx.array, bits: int) -> mx.array:
     return fake_quant(x.swapaxes(-1, -2), bits, group=x.shape[-2]).swapaxes(-1, -2)
 
 
+class SimulatedStorage(DenseStorage):
+    """Dense storage whose entries arrive fake-quantized to 8 bits, with a per-slot low-tier mask.
+
+    ``low`` ``(B, H, C)`` is True where an entry is in the low tier; it is one of the
+    :meth:`slots`, so it travels with its entry through compaction and growth.
+    """
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.rotation = hadamard(head_dim)
+        self.low: mx.array | None = None
+
+    def allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype, capacity: int) -> None:
+        super().allocate(B, H, D, Dv, dtype, capacity)
+        self.low = mx.zeros((B, H, capacity), mx.bool_)
+
+    def write(self, keys: mx.array, values: mx.array, start: int) -> None:
+        """New entries arrive in the 8-bit window."""
+        super().write(fake_quant(keys, 8), fake_quant(values, 8), start)
+
+    def slots(self) -> list[mx.array]:
+        return [*super().slots(), self.low]
+
+    def set_slots(self, arrays: list[mx.array]) -> None:
+        super().set_slots(arrays[:-1])
+        self.low = arrays[-1]
+
+    def resize(self, capacity: int) -> None:
+        super().resize(capacity)
+        self.low = fit_slots(self.low, capacity, False)
+
+
 class SimulatedStorageCache(EvictingKVCache):
     """A dense :class:`EvictingKVCache` whose entries carry the quantization error of ``spec``.
+
+    Its storage is a :class:`SimulatedStorage`; after each step it quantizes the entries
+    that left the window and, with tiers, demotes by the policy's score.
 
     Args:
         spec: the storage simulated.
         memory: bytes per kv-head this layer may hold (16-bit model); sets the budget in
             entries and, with tiers, how many entries stay in 8 bits.
         head_dim: the model's head dimension.
-        policy, kwargs: as :class:`EvictingKVCache` (``budget`` and ``window`` are set here).
+        policy, kwargs: as :class:`EvictingKVCache` (``budget``, ``window`` and ``storage`` are set here).
     """
 
     def __init__(self, spec: StorageSpec, memory: float, head_dim: int, policy: str = "default", **kwargs: Any):
         self.spec, self.memory = spec, memory
         self.cost = spec.bytes_per_token(head_dim)
         budget = entries_for(spec, memory, head_dim)
-        super().__init__(policy, budget, window=spec.held_back, **kwargs)
-        self.rotation = hadamard(head_dim)
+        super().__init__(policy, budget, window=spec.held_back, storage=SimulatedStorage(head_dim), **kwargs)
         self.done = 0  # positions below this have left the window and hold their stored precision
-        self.low = None  # B, H, C: True where an entry is in the low tier
 
-    # ---- slot layout: the tier mask travels with the entries ----------------------------
-    def _slots(self) -> list[mx.array]:
-        return [*super()._slots(), self.low]
-
-    def _set_slots(self, arrays: list[mx.array]) -> None:
-        super()._set_slots(arrays[:-1])
-        self.low = arrays[-1]
-
-    def _allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype) -> None:
-        super()._allocate(B, H, D, Dv, dtype)
-        self.low = mx.zeros(self.positions.shape, mx.bool_)
-
-    def _resize(self, capacity: int) -> None:
-        super()._resize(capacity)
-        low = self.low[..., :capacity]
-        pad = capacity - low.shape[-1]
-        self.low = mx.concatenate([low, mx.zeros((*low.shape[:2], pad), mx.bool_)], -1) if pad > 0 else low
+    low = property(lambda self: self.storage.low, doc="``(B, H, C)`` True where an entry is in the low tier.")
 
     # ---- the step ----------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        S = keys.shape[2]
-        super().update_and_fetch(keys, values)
-        size = self._size
-        # New entries arrive in the 8-bit window.
-        self.keys[..., size - S : size, :] = fake_quant(self.keys[..., size - S : size, :], 8)
-        self.values[..., size - S : size, :] = fake_quant(self.values[..., size - S : size, :], 8)
+        super().update_and_fetch(keys, values)  # the storage writes new entries in 8 bits
         self._settle()
         if self.spec.tiers:
             self._demote()
-        return self._fetch()
+        return self.storage.fetch(self._size)
 
     def _slot(self, position: int) -> int:
         """The slot of ``position``: every position since ``done`` is held, in order, at the end."""
@@ -159,20 +173,20 @@ class SimulatedStorageCache(EvictingKVCache):
 
     def _settle(self) -> None:
         """Quantize the entries that left the window (keys per channel: whole groups only)."""
-        spec, limit = self.spec, self.offset - WINDOW
+        spec, limit, st = self.spec, self.offset - WINDOW, self.storage
         group = spec.key_group or max(limit - self.done, 0)
         while group and self.done + group <= limit:
             a, b = self._slot(self.done), self._slot(self.done + group)
             if spec.tiers:  # the high tier: 8 bits until demoted
-                self.keys[..., a:b, :] = fake_quant(self.keys[..., a:b, :], 8)
+                st.keys[..., a:b, :] = fake_quant(st.keys[..., a:b, :], 8)
             elif spec.key_group:
-                self.keys[..., a:b, :] = fake_quant_channels(self.keys[..., a:b, :], spec.key_bits)
+                st.keys[..., a:b, :] = fake_quant_channels(st.keys[..., a:b, :], spec.key_bits)
             else:
-                self.keys[..., a:b, :] = fake_quant(self.keys[..., a:b, :], spec.key_bits, rotation=self.rotation)
+                st.keys[..., a:b, :] = fake_quant(st.keys[..., a:b, :], spec.key_bits, rotation=self.rotation)
             bits = 8 if spec.tiers else spec.value_bits
-            self.values[..., a:b, :] = fake_quant(self.values[..., a:b, :], bits, rotation=self.rotation)
+            st.values[..., a:b, :] = fake_quant(st.values[..., a:b, :], bits, rotation=self.rotation)
             if not spec.tiers:
-                self.low[..., a:b] = True
+                st.low[..., a:b] = True
             self.done += group
 
     def high_allowed(self) -> int:
@@ -191,14 +205,15 @@ class SimulatedStorageCache(EvictingKVCache):
         count = candidate.sum(axis=-1, keepdims=True)  # B, H, 1
         if count.max().item() <= allowed:
             return
-        self._flush()
+        self.flush()
         score = mx.where(candidate, self.policy.score(self), mx.inf)  # B, H, C
         rank = mx.argsort(mx.argsort(score, axis=-1), axis=-1)
         demote = candidate & (rank < count - max(allowed - DEMOTE_MARGIN, 0))
         spec, rot = self.spec, self.rotation
-        self.keys = mx.where(demote[..., None], fake_quant(self.keys, spec.key_bits, rotation=rot), self.keys)
-        self.values = mx.where(demote[..., None], fake_quant(self.values, spec.value_bits, rotation=rot), self.values)
-        self.low = self.low | demote
+        st = self.storage
+        st.keys = mx.where(demote[..., None], fake_quant(st.keys, spec.key_bits, rotation=rot), st.keys)
+        st.values = mx.where(demote[..., None], fake_quant(st.values, spec.value_bits, rotation=rot), st.values)
+        st.low = st.low | demote
 
     def stored_bytes(self) -> float:
         """Bytes per kv-head this layer's storage would hold now (16-bit model)."""
