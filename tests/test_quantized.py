@@ -45,7 +45,9 @@ def test_equal_to_mlx_lm_quantized_cache_when_nothing_is_evicted(arch, bits):
     ours = run_chunks(model, caches, tokens, chunks)
     # Multi-token chunks on the CPU dequantize first and use a dense matmul: equal within float
     # rounding (token by token the storage is mlx-lm's exactly: tests/test_quantized_real.py).
-    assert mx.allclose(ours, theirs, rtol=0, atol=1e-5).item()
+    # 5e-5: qwen3 at 8 bits differed by 3.4e-5 on 2026-12-03 (OpenBLAS's summation order); the
+    # quantization error the next assert requires is above 1e-4.
+    assert mx.allclose(ours, theirs, rtol=0, atol=5e-5).item()
     exact = run_chunks(model, [KVCache() for _ in model.layers], tokens, chunks)
     assert not mx.allclose(ours, exact, atol=1e-4).item()  # the storage really is quantized
 
