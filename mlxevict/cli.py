@@ -17,7 +17,7 @@ from importlib import import_module
 from typing import Optional, Sequence
 
 from . import __version__
-from .defaults import LAUNCH_VARIABLES
+from .defaults import started_by_launcher
 from .errors import MlxEvictError, os_error
 from .openblas import reexec_with_openblas
 
@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             finish_args(args)
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
-            if any(name in os.environ for name in LAUNCH_VARIABLES):
+            if started_by_launcher():
                 from .launch import join_ranks
 
                 join_ranks(args)  # under mlx.launch: one seed, rank 0 reads and prints (mlxevict/launch.py)

@@ -12,3 +12,10 @@ DEFAULT_GROUP_SIZE = 64  # mlx-lm's --kv-group-size default
 DEFAULT_MAX_TOKENS = 4096
 FAMILY_NAME = "mlx-community/DeepSeek-R1-Distill"
 LAUNCH_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # set by mlx.launch (ring) or mpirun
+
+
+def started_by_launcher() -> bool:
+    """Whether ``mlx.launch`` (or ``mpirun``) started this process: read from the environment, no MLX import."""
+    import os
+
+    return any(name in os.environ for name in LAUNCH_VARIABLES)

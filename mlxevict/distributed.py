@@ -15,13 +15,12 @@ over ``N`` machines is here too.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import mlx.core as mx
 
-from .defaults import LAUNCH_VARIABLES
+from .defaults import started_by_launcher
 from .geometry import head_share
 
 # Set by mlx.launch (ring: MLX_RANK) or mpirun (Open MPI, MPICH).
@@ -48,7 +47,7 @@ def world() -> Optional[mx.distributed.Group]:
 
     A process that no launcher started never initializes MLX's distributed backend.
     """
-    if not any(name in os.environ for name in LAUNCH_VARIABLES) or not mx.distributed.is_available():
+    if not started_by_launcher() or not mx.distributed.is_available():
         return None
     group = mx.distributed.init()
     return group if group.size() > 1 else None

@@ -83,7 +83,7 @@ def quantized_attention(
     B, n_q_heads, L, D = queries.shape
     n_kv_heads = q_keys[0].shape[1]
     n_repeats = n_q_heads // n_kv_heads
-    n_quant, n_full = _rows(q_keys), _rows(f_keys)
+    n_quant = _rows(q_keys)
     queries = queries * scale  # not in place: the patched attention shows the queries to the policy
     if rotation is not None:
         rotation = rotation.astype(queries.dtype)

@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ..defaults import LAUNCH_VARIABLES
+from ..defaults import started_by_launcher
 from ..errors import MlxEvictError
 from .flags import add_cache_options, add_model_argument, add_sampling_options
 from .sampling import check_sampling
@@ -77,7 +77,7 @@ def _check(args: argparse.Namespace) -> None:
     """Refuse bad server options before a model loads."""
     from .common import storage_flags
 
-    if any(name in os.environ for name in LAUNCH_VARIABLES):
+    if started_by_launcher():
         raise MlxEvictError(
             "serve does not run under mlx.launch yet (each request would have to reach every rank); "
             "run it as one process, or use generate/chat --plain across machines"
