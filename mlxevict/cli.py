@@ -161,10 +161,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE
     except RuntimeError as err:
         from .distributed import lost_peer
-        from .launch import lost_peer_message
+        from .launch import lost_peer_message, quiet_stop
 
         if not lost_peer(err):
             raise
+        quiet_stop()
         print(f"mlxevict: error: {lost_peer_message(err)}", file=sys.stderr)
         return 1
     except (MlxEvictError, FileNotFoundError, NotADirectoryError) as err:

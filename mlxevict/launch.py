@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, TextIO
@@ -43,6 +44,7 @@ def join_ranks(args: argparse.Namespace) -> Optional[mx.distributed.Group]:
     if getattr(args, "seed", 0) is None:
         args.seed = shared_seed(group)  # sampling draws the same token on every rank
     sys.stdin = SharedInput(sys.stdin, group)
+    signal.signal(signal.SIGTERM, _stopped_by_launcher)
     if group.rank() != 0:
         sys.stdout = open(os.devnull, "w")
         sys.stderr = RankErrors(sys.stderr, group, everything=bool(getattr(args, "debug", False)))
@@ -59,6 +61,23 @@ def lost_peer_message(err: BaseException) -> str:
     )
 
 
+def quiet_stop() -> None:
+    """A later SIGTERM from mlx.launch ends this rank silently: it has said its error already."""
+    if world() is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _stopped_by_launcher(signum: int, frame: Any) -> None:
+    # mlx.launch terminates the other ranks once one exits with an error; without this the
+    # ranks it stops die of SIGTERM without a word when the ring has not yet failed them.
+    quiet_stop()
+    group = world()
+    who = rank_name(group) if group is not None else "this rank"
+    raise MlxEvictError(
+        f"{who} was stopped by mlx.launch because another rank exited (its error, or mlx.launch's warning, names it)"
+    )
+
+
 class RankErrors:
     """stderr of a rank other than 0: only error lines pass, naming the rank (all lines with ``--debug``)."""
 
@@ -71,7 +90,9 @@ class RankErrors:
         *lines, self._line = self._line.split("\n")
         for line in lines:
             if line.startswith(ERROR_PREFIX):
-                line = f"{ERROR_PREFIX}{rank_name(self.group)}: {line[len(ERROR_PREFIX):]}"
+                said = line[len(ERROR_PREFIX):]
+                name = rank_name(self.group)
+                line = ERROR_PREFIX + (said if said.startswith(name) else f"{name}: {said}")
             elif not self.everything:
                 continue
             self.stream.write(line + "\n")

@@ -170,7 +170,10 @@ def test_chat_plain_reads_on_rank_zero_and_prints_rank_stats(tiny):
     assert len(stats) == 2 and all("| 2 ranks: KV " in line for line in stats)
 
 
-def test_a_killed_rank_ends_the_others_with_one_error_line(tiny):
+@pytest.mark.parametrize("stopped", ["killed", "terminated"])
+def test_a_killed_rank_ends_the_others_with_one_error_line(tiny, stopped):
+    # "killed": rank 1 is SIGKILLed; rank 0 learns it from the ring or from mlx.launch's SIGTERM,
+    # whichever comes first. "terminated": rank 0 gets mlx.launch's SIGTERM before the ring fails.
     args = ["generate", str(tiny), "-p", "Go on.", "--temp", "0", "--max-tokens", "1900", "--budget", "24"]
     proc = subprocess.Popen(
         launch_command(2, *cli_command(*args)),
@@ -181,14 +184,18 @@ def test_a_killed_rank_ends_the_others_with_one_error_line(tiny):
     )
     try:
         assert proc.stdout.read(4)  # rank 0 is streaming the answer: mid-generation
-        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("MLX_RANK") == "1"]
-        ranks[-1].send_signal(signal.SIGKILL)
+        rank = "1" if stopped == "killed" else "0"
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("MLX_RANK") == rank]
+        ranks[-1].send_signal(signal.SIGKILL if stopped == "killed" else signal.SIGTERM)
         _, err = proc.communicate(timeout=HANG_GUARD_S)
     finally:
         end(proc)
-    err = err.decode()
-    assert "mlxevict: error: rank 0 of 2" in err, err[-3000:]
-    assert "Traceback" not in err
+    errors = [line for line in err.decode().splitlines() if line.startswith("mlxevict: error: rank 0 of 2")]
+    assert len(errors) == 1, err.decode()[-3000:]
+    if stopped == "terminated":
+        assert "stopped by mlx.launch" in errors[0]
+    assert "Traceback" not in err.decode()
+    assert "rank 1 of 2: rank 1 of 2" not in err.decode()
 
 
 def test_info_plans_a_model_over_hosts(tiny, capsys):
