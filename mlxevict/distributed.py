@@ -102,6 +102,11 @@ def shared_seed(group: mx.distributed.Group) -> int:
     return int(_all_sum(mx.array(mine, mx.int32), group).item())
 
 
+def any_rank(flag: bool, group: mx.distributed.Group) -> bool:
+    """Whether ``flag`` is set on any rank (one ``all_sum``; every rank must call it at the same step)."""
+    return _all_sum(mx.array(int(flag), mx.int32), group).item() > 0
+
+
 def gather_values(values: Sequence[int], group: Optional[mx.distributed.Group] = None) -> list[list[int]]:
     """Every rank's ``values`` (the same count on each), rank by rank; one ``all_sum``.
 

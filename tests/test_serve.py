@@ -392,11 +392,3 @@ def test_the_command_needs_its_key_and_stops_on_ctrl_c(tmp_path):
     finally:
         if server.poll() is None:
             server.kill()
-
-
-def test_serve_refuses_to_run_under_mlx_launch(monkeypatch, capsys):
-    from mlxevict.cli import main
-
-    monkeypatch.setenv("MLX_RANK", "0")  # as mlx.launch sets it: requests would reach only rank 0
-    assert main(["serve", "--port", "0"]) == 1
-    assert "serve does not run under mlx.launch" in capsys.readouterr().err

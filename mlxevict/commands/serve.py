@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import sys
 from pathlib import Path
 
-from ..defaults import started_by_launcher
 from ..errors import MlxEvictError
 from .flags import add_cache_options, add_model_argument, add_sampling_options
 from .sampling import check_sampling
@@ -24,7 +24,8 @@ server-sent events), GET /v1/models, GET /health. Reasoning comes in
 reasoning_content, apart from content; usage.mlxevict holds the cache's numbers.
 A request may set max_tokens, temperature, top_p, top_k, min_p, seed, stop,
 logit_bias, and mlxevict's own policy and budget (at most the server's --budget).
-Requests run one at a time, in order. Ctrl-C stops the server.
+Requests run one at a time, in order. Ctrl-C stops the server. Under mlx.launch
+rank 0 serves and every rank generates (docs/serve.md).
 
 examples:
   mlxevict serve                                    # the demo model on http://127.0.0.1:8080/v1
@@ -77,11 +78,6 @@ def _check(args: argparse.Namespace) -> None:
     """Refuse bad server options before a model loads."""
     from .common import storage_flags
 
-    if started_by_launcher():
-        raise MlxEvictError(
-            "serve does not run under mlx.launch yet (each request would have to reach every rank); "
-            "run it as one process, or use generate/chat --plain across machines"
-        )
     check_sampling(args)
     storage_flags(args)
     if not 0 <= args.port <= 65535:
@@ -112,13 +108,30 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+_exit_code = [1]  # what the process exits with unless the server stops cleanly (the CLI's code for an error)
+
+
+def _exit_without_teardown() -> None:
+    # A thread that generated (mlx-lm's thread-local generation stream) makes MLX's teardown at exit
+    # abort the process ("terminate called without an active exception", status 134; MLX 0.30, seen
+    # alone and under mlx.launch), so the server ends here, its output flushed, before that teardown.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(_exit_code[0])
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import mlx.core as mx
     import psutil
 
     from ..budget import parse_budget, parse_size
     from ..memory import MemoryGuard
+    from ..launch import launched
     from ..server import ApiServer, ConversationStore, Defaults, Engine
+    from ..server.ranks import ShardedEngine, agreed_bytes, follow, watch_launcher
     from .common import budget_option, build_caches, load, plan_budget, report, storage_flags
     from .sampling import resolve_sampling
 
@@ -141,7 +154,19 @@ def run_serve(args: argparse.Namespace) -> int:
     kept_bytes = parse_size(args.conversation_memory) if args.conversation_memory else share
     defaults = Defaults(max_tokens=args.max_tokens, temperature=sampling["temp"], top_p=sampling["top_p"],
                         policy=args.policy, budget=budget, top_k=sampling["top_k"], min_p=sampling["min_p"])
-    engine = Engine(
+    group = launched()  # under mlx.launch: rank 0 serves, every rank generates (server/ranks.py)
+    sharded = {}
+    if group is not None:
+        kept_bytes = agreed_bytes(kept_bytes, group)
+        sharded = dict(group=group, on_fatal=lambda: os.kill(os.getpid(), signal.SIGINT))
+    # SIGTERM (a service manager) shuts down as Ctrl-C does, and so does SIGINT also where the
+    # shell started the server in the background (which ignores SIGINT). Under mlx.launch SIGTERM
+    # comes from the launcher when another rank failed (launch.py says so), Ctrl-C is rank 0's to
+    # act on (follow), and a launcher that is itself gone stops the server as Ctrl-C does. Set
+    # before the worker starts: a failure there interrupts the main thread with SIGINT.
+    for signum in (signal.SIGINT,) if group is not None else (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt if group is None or group.rank() == 0 else signal.SIG_IGN)
+    engine = (Engine if group is None else ShardedEngine)(
         model,
         tokenizer,
         defaults=defaults,
@@ -150,29 +175,40 @@ def run_serve(args: argparse.Namespace) -> int:
         store=ConversationStore(args.conversations, kept_bytes),
         guard=guard,
         log=report,
+        **sharded,
     )
+    atexit.register(_exit_without_teardown)
+    if group is not None and group.rank() != 0:
+        follow(engine)
+        _exit_code[0] = 0
+        return 0
+    server = None
     try:
-        ids = _model_ids(resolved, args.model)
-        server = ApiServer((args.host, args.port), engine, defaults=defaults, model_ids=ids, api_key=args.api_key,
-                           log=report)
-    except OSError as err:
-        engine.close()
-        raise MlxEvictError(f"cannot listen on {args.host}:{args.port} ({err.strerror}); pick another --port") from None
-    kv = f", KV in {plan.storage.label}" if plan.storage.quantized else ""
-    auth = ", API key required" if args.api_key else ""
-    report(f"serving {resolved.name} at {server.url} (policy {args.policy}, budget {budget} tokens{kv}{auth}); "
-           "Ctrl-C stops")
-    # SIGTERM (a service manager) shuts down as Ctrl-C does, and so does SIGINT also where the
-    # shell started the server in the background (which ignores SIGINT).
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _interrupt)
-    try:
+        try:
+            server = ApiServer((args.host, args.port), engine, defaults=defaults,
+                               model_ids=_model_ids(resolved, args.model), api_key=args.api_key, log=report)
+        except OSError as err:
+            raise MlxEvictError(
+                f"cannot listen on {args.host}:{args.port} ({err.strerror}); pick another --port"
+            ) from None
+        kv = f", KV in {plan.storage.label}" if plan.storage.quantized else ""
+        auth = ", API key required" if args.api_key else ""
+        ranks = f" on {group.size()} ranks" if group is not None else ""
+        report(f"serving {resolved.name}{ranks} at {server.url} (policy {args.policy}, budget {budget} tokens"
+               f"{kv}{auth}); Ctrl-C stops")
+        if group is not None:
+            watch_launcher(lambda: os.kill(os.getpid(), signal.SIGINT))
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
+        if server is not None:
+            server.server_close()
         engine.close()
+    failure = engine.failure() if group is not None else None
+    if failure is not None:
+        raise failure
     print(file=sys.stderr)
     report("server stopped")
+    _exit_code[0] = 0
     return 0

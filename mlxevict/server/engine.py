@@ -161,12 +161,9 @@ class Engine:
 
     def _work(self) -> None:
         while True:
-            job = self._jobs.get()
+            job = self._take()
             if job is None:
                 return
-            if job.cancelled.is_set():
-                self.counts["cancelled"] += 1
-                continue
             self._current, self.busy = job, True
             try:
                 self._run(job)
@@ -175,10 +172,36 @@ class Engine:
                 job.events.put(err)
             except Exception as err:  # a bug or MLX failure must not kill the worker for later requests
                 self.counts["failed"] += 1
-                self.log(f"error: {type(err).__name__}: {err}")
                 job.events.put(ApiError(f"generation failed: {type(err).__name__}: {err}", status=500))
+                if self._fatal(err):
+                    return
+                self.log(f"error: {type(err).__name__}: {err}")
             finally:
                 self._current, self.busy = None, False
+
+    # -- what a sharded engine (server/ranks.py) replaces
+
+    def _take(self) -> Optional[Job]:
+        """The next job to run, ``None`` to stop; queued jobs whose client left are skipped."""
+        while (job := self._jobs.get()) is not None and job.cancelled.is_set():
+            self.counts["cancelled"] += 1
+        return job
+
+    def _fatal(self, err: Exception) -> bool:
+        """Whether ``err`` ends the worker (alone: never; the request fails with a 500)."""
+        return False
+
+    def _new_stop(self) -> Any:
+        """What stops a turn: ``set()`` from any thread, ``is_set()`` read by the generation loop."""
+        return threading.Event()
+
+    def _cancelled(self, job: Job, finished: Optional[Finished], stopped: bool) -> bool:
+        """Whether the turn ended because its client left (its caches are then freed, not kept)."""
+        return job.cancelled.is_set() or finished is None
+
+    def _rank_numbers(self, finished: Finished) -> dict:
+        """Extra ``usage.mlxevict`` numbers (a sharded engine: every rank's KV bytes)."""
+        return {}
 
     def _settings(self, r: CompletionRequest) -> tuple[str, int]:
         if r.policy not in policy_names():
@@ -223,24 +246,26 @@ class Engine:
         try:
             if r.kind == "chat":
                 session, cached = self._session(r, (policy, budget))
+                session._stop = self._new_stop()
                 events = session.send(r.messages[-1]["content"], **sampling)
                 job._stopper(session.stop)
             else:
                 caches = self._caches(policy, budget)
-                stop = threading.Event()
+                stop = self._new_stop()
                 job._stopper(stop.set)
                 events = stream_events(self.model, self.tokenizer, r.prompt, caches=caches, chat_template=False,
                                        guard=self.guard, stop=stop, **sampling)
             finished, stopped = self._stream(job, events)
         except MlxEvictError as err:  # the prompt, the budget or the context limit
             raise ApiError(str(err)) from None
-        keep = finished is not None and not stopped and not job.cancelled.is_set() and finished.reason != "memory"
+        cancelled = self._cancelled(job, finished, stopped)
+        keep = not cancelled and not stopped and finished.reason != "memory"
         if session is not None and keep:
             self.store.put(session_key((policy, budget), session), session)
         else:
             session = caches = None
             _free()
-        self._finish(job, finished, stopped, cached, policy, budget)
+        self._finish(job, finished, stopped, cached, policy, budget, cancelled)
 
     def _caches(self, policy: str, budget: int) -> list:
         try:
@@ -285,8 +310,8 @@ class Engine:
         return finished, stops.hit
 
     def _finish(self, job: Job, finished: Optional[Finished], stopped: bool, cached: int, policy: str,
-                budget: int) -> None:
-        if job.cancelled.is_set() or finished is None:
+                budget: int, cancelled: bool) -> None:
+        if cancelled or finished is None:
             self.counts["cancelled"] += 1
             generated = finished.progress.generated_tokens if finished else 0
             self.last = {"finish_reason": "cancelled", "completion_tokens": generated}
@@ -299,6 +324,7 @@ class Engine:
             cache.update(kept=p.cache.kept, evicted=p.cache.evicted, tokens_seen=p.cache.tokens_seen)
         if finished.message and not stopped:
             cache["stopped"] = finished.message
+        cache.update(self._rank_numbers(finished))
         reason = "stop" if stopped or finished.reason == "stop" else "length"
         usage = Usage(cached + p.prompt_tokens, p.generated_tokens, cached, cache)
         self.counts["served"] += 1

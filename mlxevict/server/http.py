@@ -67,6 +67,7 @@ class ApiServer(ThreadingHTTPServer):
             "conversation_kv_bytes": engine.store.nbytes,
             **engine.counts,
             "last": engine.last,
+            **({"ranks": engine.ranks} if getattr(engine, "ranks", 1) > 1 else {}),
         }
 
 
