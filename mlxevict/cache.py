@@ -341,7 +341,9 @@ class EvictingKVCache(_BaseCache):
         self._size = n_keep
 
     # ---- storage: the component holds the entries, the cache the per-slot bookkeeping ----
-    keys = property(lambda self: self.storage.keys, doc="The storage's keys (``None`` before the first token).")
+    # Settable: a pipelined mlx-lm model ties its send to the last layer's keys (cache.keys = mx.depends(...)).
+    keys = property(lambda self: self.storage.keys, lambda self, k: setattr(self.storage, "keys", k),
+                    doc="The storage's keys (``None`` before the first token).")
     values = property(lambda self: self.storage.values, doc="The storage's values.")
     kv_bits = property(lambda self: self.storage.kv_bits, doc="Storage bits; ``None``: the model's dtype.")
     # Quantized storage's settings and window (``None`` for dense storage), as caches of 0.1 had them.

@@ -133,12 +133,16 @@ class SharedInput:
         return self.stream.fileno()
 
 
-def load_sharded(resolved: Resolved, group: mx.distributed.Group) -> tuple[Any, Any]:
+def load_sharded(resolved: Resolved, group: mx.distributed.Group, *, pipeline: bool = False) -> tuple[Any, Any]:
     """Load ``resolved`` with each rank holding its ``1/N`` of every layer (mlx-lm's ``sharded_load``).
+
+    With ``pipeline``, each rank holds a block of whole layers instead (:func:`load_pipeline`).
 
     Raises:
         MlxEvictError: the heads or MLP do not split over the ranks, or the folder does not load.
     """
+    if pipeline:
+        return load_pipeline(resolved, group)
     config = check_architecture(resolved.path)
     try:
         check_shardable(config, group.size())
@@ -150,6 +154,42 @@ def load_sharded(resolved: Resolved, group: mx.distributed.Group) -> tuple[Any, 
         return sharded_load(str(resolved.path), tensor_group=group)
     except (ValueError, FileNotFoundError, OSError) as err:
         raise MlxEvictError(f"cannot load {resolved.name} sharded from {resolved.path}: {err}") from None
+
+
+def load_pipeline(resolved: Resolved, group: mx.distributed.Group) -> tuple[Any, Any]:
+    """Load ``resolved`` with each rank holding a block of whole layers (mlx-lm's ``model.model.pipeline``).
+
+    The last rank runs the first layers and hands the hidden state on; every rank
+    gets the final hidden state (an ``all_gather``), so all compute the full logits.
+    ``make_cache`` then builds caches for the rank's own layers only (``model.layers``
+    is the rank's block). Weights load lazily: a rank reads only its layers'.
+    mlx-lm's ``sharded_load(pipeline_group=...)`` needs a ``model.safetensors.index.json``,
+    which single-file models lack, so the folder is loaded here.
+
+    Raises:
+        MlxEvictError: mlx-lm has no pipeline for this architecture, fewer layers than ranks,
+            or the folder does not load.
+    """
+    config = check_architecture(resolved.path)
+    layers, ranks = int(config["num_hidden_layers"]), group.size()
+    if layers < ranks:
+        raise MlxEvictError(f"{resolved.name} has {layers} layers, fewer than the {ranks} ranks; "
+                            f"run mlx.launch with -n {layers} or fewer")
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    try:
+        model, config = load_model(resolved.path, lazy=True)
+        tokenizer = load_tokenizer(resolved.path, eos_token_ids=config.get("eos_token_id"))
+    except (ValueError, FileNotFoundError, OSError) as err:
+        raise MlxEvictError(f"cannot load {resolved.name} from {resolved.path}: {err}") from None
+    if not hasattr(getattr(model, "model", None), "pipeline"):
+        raise MlxEvictError(
+            f"mlx-lm has no pipeline parallelism for {resolved.name} ({config.get('model_type')}); "
+            "drop --pipeline to split every layer's heads instead"
+        )
+    model.model.pipeline(group)
+    mx.eval(model.parameters())
+    return model, tokenizer
 
 
 @dataclass(frozen=True)

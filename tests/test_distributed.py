@@ -170,6 +170,19 @@ def test_chat_plain_reads_on_rank_zero_and_prints_rank_stats(tiny):
     assert len(stats) == 2 and all("| 2 ranks: KV " in line for line in stats)
 
 
+def test_pipeline_holds_half_the_layers_per_rank_and_equals_one_process(tmp_path):
+    # qwen2 has mlx-lm's pipeline (llama does not, in 0.32.2); 4 layers: 2 per rank, the last rank the first two.
+    model = build_tiny_model(tmp_path / "qwen", model_type="qwen2", layers=4, hidden=128, heads=4, kv_heads=2)
+    args = ["generate", str(model), "-p", "Count to ten.", "--temp", "0", "--max-tokens", "12", "--budget", "24",
+            "--json"]
+    alone = json.loads(run(cli_command(*args)).stdout)
+    sharded = json.loads(run(launch_command(2, *cli_command(*args, "--pipeline"))).stdout)
+    assert sharded["answer"] == alone["answer"] and sharded["generated_tokens"] == 12
+    for r in sharded["ranks"]:
+        assert 2 * r["kv_nbytes"] == alone["cache"]["nbytes"]  # caches for its own 2 layers only
+        assert r["kept"] == alone["cache"]["kept"] and r["evicted"] == alone["cache"]["evicted"] > 0
+
+
 @pytest.mark.parametrize("stopped", ["killed", "terminated"])
 def test_a_killed_rank_ends_the_others_with_one_error_line(tiny, stopped):
     # "killed": rank 1 is SIGKILLed; rank 0 learns it from the ring or from mlx.launch's SIGTERM,

@@ -37,8 +37,11 @@ def load(args: argparse.Namespace) -> tuple[Resolved, Any, Any]:
     """Resolve ``args.model`` (telling the user about choices) and load it."""
     budget = getattr(args, "budget", None)  # the family choice counts the KV of the budget the run will use
     resolved = resolve_model(args.model, progress=sys.stderr.isatty(), report=report, budget=budget)
-    group = launched()  # under mlx.launch each rank loads its share of every layer
-    model, tokenizer = load_model(resolved) if group is None else load_sharded(resolved, group)
+    group = launched()  # under mlx.launch each rank loads its share of every layer (or, --pipeline, of the layers)
+    pipeline = getattr(args, "pipeline", False)
+    if pipeline and group is None:
+        raise MlxEvictError("--pipeline splits the model over the ranks of mlx.launch; run under mlx.launch or drop it")
+    model, tokenizer = load_model(resolved) if group is None else load_sharded(resolved, group, pipeline=pipeline)
     return resolved, model, tokenizer
 
 

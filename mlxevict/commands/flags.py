@@ -37,6 +37,11 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", dest="model_flag", metavar="MODEL", help="the same as MODEL (mlx-lm's spelling)")
     # SUPPRESS: an unset --debug here must not undo ``mlxevict --debug COMMAND``.
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+    parser.add_argument(
+        "--pipeline", action="store_true",
+        help="under mlx.launch: each rank holds a block of whole layers (pipeline parallelism, for models mlx-lm "
+        "pipelines, such as qwen2) instead of 1/N of every layer's heads",
+    )
 
 
 def kv_bits_option(text: str) -> Any:
