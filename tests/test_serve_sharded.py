@@ -142,6 +142,11 @@ def test_greedy_answers_equal_the_single_process_servers(servers):
         "/v1/completions", text)
     assert many_text == one_text and many_usage["completion_tokens"] == one_usage["completion_tokens"] == 8
     assert [2 * r["kv_bytes"] for r in many_usage["mlxevict"]["ranks"]] == [one_usage["mlxevict"]["kv_bytes"]] * 2
+    # A stop sequence ends the answer at the same token on every rank: the same text and token count.
+    stopped = {**text, "stop": one_text[5:7]}
+    one, many = alone.post("/v1/completions", stopped), sharded.post("/v1/completions", stopped)
+    assert many["choices"][0]["text"] == one["choices"][0]["text"] == one_text[: one_text.find(one_text[5:7])]
+    assert many["usage"]["completion_tokens"] == one["usage"]["completion_tokens"] < 8
     follow_up = {"messages": [*QUESTION, {"role": "assistant", "content": answer},
                               {"role": "user", "content": "And of Italy?"}], "max_tokens": MAX_TOKENS}
     one, many = alone.post("/v1/chat/completions", follow_up), sharded.post("/v1/chat/completions", follow_up)

@@ -195,6 +195,10 @@ class Engine:
         """What stops a turn: ``set()`` from any thread, ``is_set()`` read by the generation loop."""
         return threading.Event()
 
+    def _stop_sequence(self, job: Job) -> None:
+        """End the turn: a stop sequence was found (at the same token on every rank)."""
+        job._stop()
+
     def _cancelled(self, job: Job, finished: Optional[Finished], stopped: bool) -> bool:
         """Whether the turn ended because its client left (its caches are then freed, not kept)."""
         return job.cancelled.is_set() or finished is None
@@ -246,12 +250,12 @@ class Engine:
         try:
             if r.kind == "chat":
                 session, cached = self._session(r, (policy, budget))
-                session._stop = self._new_stop()
+                session._stop = self._turn_stop = self._new_stop()
                 events = session.send(r.messages[-1]["content"], **sampling)
                 job._stopper(session.stop)
             else:
                 caches = self._caches(policy, budget)
-                stop = self._new_stop()
+                stop = self._turn_stop = self._new_stop()
                 job._stopper(stop.set)
                 events = stream_events(self.model, self.tokenizer, r.prompt, caches=caches, chat_template=False,
                                        guard=self.guard, stop=stop, **sampling)
@@ -301,7 +305,7 @@ class Engine:
                 if text and not job.cancelled.is_set():
                     job.events.put(Piece(event.kind, text))
                 if stops.hit:
-                    job._stop()  # ends the turn; the job is not cancelled, its answer is sent
+                    self._stop_sequence(job)  # ends the turn; the job is not cancelled, its answer is sent
             elif isinstance(event, Finished):
                 finished = event
         tail = stops.flush()
