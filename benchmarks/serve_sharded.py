@@ -94,9 +94,11 @@ def main() -> None:
     model = Path(args.model) if args.model else bench_model()
     eos = json.loads((model / "config.json").read_text()).get("eos_token_id", 0)
     eos = eos[0] if isinstance(eos, list) else eos
-    servers = [Served(model, int(n), args) for n in args.ranks.split(",")]
-    results: dict[int, list[dict]] = {s.ranks: [] for s in servers}
+    servers: list[Served] = []
     try:
+        for n in args.ranks.split(","):
+            servers.append(Served(model, int(n), args))
+        results: dict[int, list[dict]] = {s.ranks: [] for s in servers}
         for i in range(args.requests):
             for server in servers:  # alternating: every server sees the same load, in turn
                 results[server.ranks].append(server.ask(QUESTIONS[i % len(QUESTIONS)], args.max_tokens, eos))

@@ -120,6 +120,7 @@ class Engine:
         self.busy = False
         self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._current: Optional[Job] = None
+        self._turn_stop: Any = None  # the running turn's stop (``_new_stop``)
         self._closing = False
         self._thread = threading.Thread(target=self._work, name="mlxevict-generate", daemon=True)
         self._thread.start()
