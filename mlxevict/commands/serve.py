@@ -202,6 +202,10 @@ def run_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        if group is not None:
+            # Stopping already (Ctrl-C, or mlx.launch's SIGTERM after a rank died): the worker's own
+            # failure signal, which may come now, must not replace the reason with an interruption.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         if server is not None:
             server.server_close()
         engine.close()
