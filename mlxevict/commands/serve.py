@@ -113,7 +113,7 @@ _exit_code = [1]  # what the process exits with unless the server stops cleanly 
 
 def _exit_without_teardown() -> None:
     # A thread that generated (mlx-lm's thread-local generation stream) makes MLX's teardown at exit
-    # abort the process ("terminate called without an active exception", status 134; MLX 0.30, seen
+    # abort the process ("terminate called without an active exception", status 134; MLX 0.32.4, seen
     # alone and under mlx.launch), so the server ends here, its output flushed, before that teardown.
     for stream in (sys.stdout, sys.stderr):
         try:
