@@ -165,7 +165,8 @@ class HostPlan:
         kv_bytes_per_token: one host's KV per token (its share of the heads), model dtype.
         kv_memory: what is left per host for KV after the weights and ``margin``.
         full_tokens: tokens a full cache holds in ``kv_memory``.
-        min_hosts: the fewest hosts (dividing the heads) whose weights fit, or ``None``.
+        min_hosts: the fewest hosts (dividing the heads; with a pipeline, at most the layers) whose
+            weights fit, or ``None``.
     """
 
     hosts: int
@@ -194,8 +195,16 @@ def replicated_fraction(config: Mapping[str, Any]) -> float:
     return replicated / (replicated + layers * per_layer)
 
 
+def check_pipelined(config: Mapping[str, Any], ranks: int) -> None:
+    """Raise a ``ValueError`` when the model's layers do not split over ``ranks`` (fewer layers than ranks)."""
+    layers = int(config["num_hidden_layers"])
+    if layers < ranks:
+        raise ValueError(f"the model has {layers} layers, fewer than {ranks} ranks; use at most {layers}")
+
+
 def plan_hosts(
-    config: Mapping[str, Any], weights: int, kv_bytes_per_token: int, hosts: int, memory: int, margin: int
+    config: Mapping[str, Any], weights: int, kv_bytes_per_token: int, hosts: int, memory: int, margin: int,
+    *, pipeline: bool = False,
 ) -> HostPlan:
     """How a model splits over ``hosts`` machines with ``memory`` bytes each.
 
@@ -205,6 +214,8 @@ def plan_hosts(
         kv_bytes_per_token: the whole model's KV per token (all heads).
         hosts: machines (ranks), each with ``memory`` bytes.
         margin: bytes kept free on each host for the system.
+        pipeline: each host holds a block of whole layers (``--pipeline``) instead of ``1/N`` of
+            every layer; the largest block (``ceil(layers / hosts)``, as mlx-lm splits) sets the numbers.
 
     Returns:
         A :class:`HostPlan`; weights per host count the replicated embedding and
@@ -213,26 +224,31 @@ def plan_hosts(
     if hosts < 1:
         raise ValueError(f"--hosts {hosts} must be at least 1")
     replicated = replicated_fraction(config)
+    layers = int(config["num_hidden_layers"])
+    check = check_pipelined if pipeline else check_shardable
+
+    def share(n: int) -> float:  # of the sharded part: the largest block of layers, or 1/n of each layer
+        return math.ceil(layers / n) / layers if pipeline else 1 / n
 
     def per_host(n: int) -> int:
-        return math.ceil(weights * (replicated + (1 - replicated) / n))
+        return math.ceil(weights * (replicated + (1 - replicated) * share(n)))
 
     def fits(n: int) -> bool:
         try:
-            check_shardable(config, n)
+            check(config, n)
         except ValueError:
             return False
         return per_host(n) + margin < memory
 
     reason = ""
     try:
-        check_shardable(config, hosts)
+        check(config, hosts)
     except ValueError as err:
         reason = str(err)
     kv_heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
-    candidates = [n for n in range(1, kv_heads + 1) if fits(n)]
+    candidates = [n for n in range(1, (layers if pipeline else kv_heads) + 1) if fits(n)]
     weights_per_host = per_host(hosts)
-    kv_per_token = kv_bytes_per_token // hosts
+    kv_per_token = math.ceil(kv_bytes_per_token * share(hosts)) if pipeline else kv_bytes_per_token // hosts
     kv_memory = max(0, memory - weights_per_host - margin)
     return HostPlan(
         hosts=hosts,

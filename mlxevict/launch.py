@@ -156,6 +156,19 @@ def load_sharded(resolved: Resolved, group: mx.distributed.Group, *, pipeline: b
         raise MlxEvictError(f"cannot load {resolved.name} sharded from {resolved.path}: {err}") from None
 
 
+def has_pipeline(model_type: str) -> bool:
+    """Whether mlx-lm's model for ``model_type`` can be pipelined (its inner model has ``pipeline``)."""
+    import importlib
+
+    from mlx_lm.models.pipeline import PipelineMixin
+
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    except ImportError:
+        return False
+    return any(isinstance(v, type) and issubclass(v, PipelineMixin) for v in vars(module).values())
+
+
 def load_pipeline(resolved: Resolved, group: mx.distributed.Group) -> tuple[Any, Any]:
     """Load ``resolved`` with each rank holding a block of whole layers (mlx-lm's ``model.model.pipeline``).
 

@@ -226,6 +226,8 @@ def test_info_plans_a_model_over_hosts(tiny, capsys):
     assert "do not split over 3 ranks" in capsys.readouterr().out
     assert main(["info", str(tiny), "--memory", "16GB"]) == 1
     assert "--memory needs --hosts" in capsys.readouterr().err
+    assert main(["info", str(tiny), "--hosts", "2", "--pipeline"]) == 1  # llama: mlx-lm has no pipeline for it
+    assert "no pipeline parallelism for llama" in capsys.readouterr().err
 
 
 def test_plan_hosts_splits_the_sharded_weights_and_keeps_the_embedding_on_each():
@@ -245,6 +247,27 @@ def test_plan_hosts_splits_the_sharded_weights_and_keeps_the_embedding_on_each()
     # Too small for the weights on one host, enough on two.
     small = plan_hosts(config, weights, 1024, hosts=1, memory=weights - 2 * per_layer, margin=0)
     assert small.min_hosts == 2 and small.kv_memory == 0
+
+
+def test_plan_hosts_with_a_pipeline_takes_the_largest_block_of_layers():
+    config = dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        num_hidden_layers=3, vocab_size=100, tie_word_embeddings=False,
+    )
+    per_layer, replicated = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128, 2 * 100 * 64 + 7 * 64
+    weights = 4 * (replicated + 3 * per_layer)
+    # 3 layers over 2 hosts: blocks of 2 and 1 (mlx-lm's split); the block of 2 sets the numbers.
+    plan = plan_hosts(config, weights, 3000, hosts=2, memory=10**6, margin=0, pipeline=True)
+    assert plan.shardable and plan.weights_per_host == 4 * replicated + 4 * 2 * per_layer
+    assert plan.kv_bytes_per_token == 2000
+    # 3 hosts: a layer each, though the 2 KV heads do not split 3 ways.
+    assert plan_hosts(config, weights, 3000, hosts=3, memory=10**6, margin=0, pipeline=True).shardable
+    too_many = plan_hosts(config, weights, 3000, hosts=4, memory=10**6, margin=0, pipeline=True)
+    assert not too_many.shardable and "3 layers, fewer than 4 ranks" in too_many.reason
+    # Too small for all layers on one host; a block of 2 of the 3 fits.
+    small = plan_hosts(config, weights, 3000, hosts=1, memory=4 * replicated + 4 * 2 * per_layer + 1, margin=0,
+                       pipeline=True)
+    assert small.min_hosts == 2
 
 
 def test_shards_that_do_not_divide_the_heads_are_refused_naming_the_counts_that_do():

@@ -271,8 +271,15 @@ def _hosts(args: argparse.Namespace, config: dict, weights: Optional[int], per_t
     if not weights:
         raise MlxEvictError("--hosts needs the weights' size, which is unknown for this model; download it first")
     memory = parse_size(args.memory) if args.memory else total
+    if args.pipeline:
+        from ..launch import has_pipeline
+
+        if not has_pipeline(str(config.get("model_type"))):
+            raise MlxEvictError(f"mlx-lm has no pipeline parallelism for {config.get('model_type')} models; "
+                                "drop --pipeline to plan a split of every layer's heads")
     try:
-        return asdict(plan_hosts(config, weights, per_token, args.hosts, memory, DEFAULT_MARGIN))
+        plan = plan_hosts(config, weights, per_token, args.hosts, memory, DEFAULT_MARGIN, pipeline=args.pipeline)
+        return {**asdict(plan), "pipeline": args.pipeline}
     except ValueError as err:
         raise MlxEvictError(str(err)) from None
 
@@ -282,10 +289,11 @@ def _host_lines(h: dict[str, Any]) -> list[str]:
     if not h["shardable"]:
         return [f"hosts         {where}: {h['reason']}"]
     n = h["min_hosts"]
-    fewest = f"; the weights fit on {n} host{'s' if n > 1 else ''} or more" if n else "; no split of the heads fits"
+    split = "layers" if h["pipeline"] else "heads"
+    fewest = f"; the weights fit on {n} host{'s' if n > 1 else ''} or more" if n else f"; no split of the {split} fits"
     return [
-        f"hosts         {where}: {format_bytes(h['weights_per_host'])} of weights each (the embedding and head on "
-        f"every host){fewest}",
+        f"hosts         {where}{', a pipeline of whole layers' if h['pipeline'] else ''}: "
+        f"{format_bytes(h['weights_per_host'])} of weights each (the embedding and head on every host){fewest}",
         f"              KV {h['kv_bytes_per_token']:,} bytes per token per host; {format_bytes(h['kv_memory'])} "
         f"left for KV on each holds {h['full_tokens']:,} tokens of a full cache",
     ]
