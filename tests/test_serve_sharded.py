@@ -93,6 +93,19 @@ class Server:
         return [p for p in psutil.Process(self.proc.pid).children(recursive=True) if "MLX_RANK" in p.environ()]
 
 
+def test_a_request_crosses_to_the_other_ranks_unchanged():
+    from mlxevict.server.protocol import Defaults, parse_request
+    from mlxevict.server.ranks import STOP, envelope, request_of
+
+    defaults = Defaults(max_tokens=16, temperature=0.0, top_p=1.0, policy="default", budget=64)
+    body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ü"}],
+            "stop": ["\n\n", "END"], "logit_bias": {"7": -100, "12": 2.5}, "budget": "1MB", "seed": 3,
+            "stream": True, "stream_options": {"include_usage": True}}
+    for kind, extra in (("chat", {}), ("text", {"prompt": "Once upon"})):
+        request = parse_request(kind, {**body, **extra}, defaults, ("m",))
+        assert request_of(envelope(request)) == request and envelope(request) != STOP
+
+
 def _events(response: http.client.HTTPResponse, count: int) -> list[bytes]:
     """The first ``count`` server-sent events of a stream (blank lines between them skipped)."""
     events: list[bytes] = []

@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -57,9 +57,8 @@ def envelope(request: CompletionRequest) -> str:
 def request_of(text: str) -> CompletionRequest:
     """The :class:`CompletionRequest` an :func:`envelope` carries."""
     data = json.loads(text)
-    tuples = {f.name for f in fields(CompletionRequest) if f.name in ("messages", "stop")}
-    data = {k: tuple(v) if k in tuples else v for k, v in data.items()}
-    data["logit_bias"] = {int(k): v for k, v in data["logit_bias"].items()}  # JSON keys are text
+    data["messages"], data["stop"] = tuple(data["messages"]), tuple(data["stop"])  # JSON has lists
+    data["logit_bias"] = {int(k): v for k, v in data["logit_bias"].items()}  # and text keys
     return CompletionRequest(**data)
 
 
