@@ -1,13 +1,13 @@
 """``EvictingKVCache``: KV storage that a policy keeps under a budget.
 
 The cache speaks mlx-lm's cache protocol, so any supported model takes it in
-place of ``KVCache``. Storage grows in steps (256 slots, as ``KVCache`` does, or
-a sixteenth of the budget for budgets over 4096) up to ``budget`` slots, then
-stays flat: when new tokens would not fit in the budget, the policy's scores pick
-the entries to keep, and the kept entries are gathered to the front in time order
-(compiled kernels). So KV memory never exceeds a full cache's by more than one
-step, nor ``budget`` entries, and shapes change only at those few fixed
-capacities (the compiled kernels trace once per capacity, not per step).
+place of ``KVCache``. Storage grows in steps of 256 slots, as ``KVCache`` does,
+up to ``budget`` slots, then stays flat: when new tokens would not fit in the
+budget, the policy's scores pick the entries to keep, and the kept entries are
+gathered to the front in time order (compiled kernels). So the cache never holds
+more slots than a full cache at the same length, nor ``budget`` entries; shapes
+change only once per 256 tokens (the compiled kernels trace once per capacity,
+not per step).
 ``offset`` stays the absolute position (RoPE needs it); ``size()`` is the number
 of stored entries.
 
@@ -36,7 +36,6 @@ from .queries import PENDING_LIMIT, QueryLog
 
 DEFAULT_SLACK = 16  # at most; never more than budget // 16 unless asked
 GROW_STEP = 256  # slots storage grows by, as mlx-lm's KVCache
-MAX_CAPACITIES = 16  # most capacities an evicting cache passes through: bounds the kernels' traces
 PROMPT_MODES = ("evict", "compress")
 
 
@@ -50,11 +49,6 @@ def default_window(budget: int, policy: Policy | None = None) -> int:
 
 def default_slack(budget: int) -> int:
     return min(DEFAULT_SLACK, budget // 16)
-
-
-def grow_step(budget: int) -> int:
-    """Slots an evicting cache of ``budget`` grows by: ``GROW_STEP``, or more so it grows at most 16 times."""
-    return GROW_STEP * max(1, -(-budget // (GROW_STEP * MAX_CAPACITIES)))
 
 
 def storage_from_meta(meta: dict[str, Any]) -> Any:
@@ -144,7 +138,7 @@ class EvictingKVCache(_BaseCache):
         self.storage.check_budget(budget, sinks + self.pinned_tokens + slack, window)
         self.budget, self.sinks, self.window, self.slack = budget, sinks, window, slack
         self.prompt_mode = prompt_mode
-        self.step = grow_step(budget) if self.policy.evicts else GROW_STEP
+        self.step = GROW_STEP
         # Slots appended since positions/stats were last read: (first slot, first position,
         # count). Written in one go on the next read, not one scatter per token.
         self._fresh: tuple[int, int, int] | None = None
