@@ -15,10 +15,11 @@ from typing import Any, Optional
 
 import psutil
 
-from .cache import DEFAULT_BUDGET, default_window
+from .defaults import DEFAULT_BUDGET
 from .errors import MlxEvictError
 from .geometry import kv_shape
 from .kvstorage import DTYPE, KVStorage
+from .room import default_window
 
 AUTO_FRACTION = 0.25  # share of the free memory ``--budget auto`` gives the KV cache
 MIN_AUTO_BUDGET = 256

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .cache import DEFAULT_BUDGET, EvictingKVCache, check_budget, default_window
+from .cache import DEFAULT_BUDGET, EvictingKVCache
 from .policies import Policy
 from .quantized_attention import Entries, quantized_attention
 from .geometry import model_head_dim
@@ -30,6 +30,7 @@ from .kvstorage import (
     storage_bytes,
 )
 from .quantized_storage import QuantizedStorage
+from .room import check_budget, default_window
 from .rotation import rotation_matrix
 
 __all__ = [

@@ -10,7 +10,7 @@ from tiny_models import random_tokens, run_chunks, tiny_model
 import mlxevict
 from mlxevict.stats import full_cache_slots
 from mlxevict import make_cache
-from mlxevict.cache import GROW_STEP
+from mlxevict.cache_slots import GROW_STEP
 from mlxevict.budget import storage_nbytes
 from mlxevict.kvstorage import KVStorage
 
