@@ -59,7 +59,7 @@ def add_long_arguments(p: argparse.ArgumentParser) -> None:
 
 def long_config(args: argparse.Namespace) -> Any:
     from .caches import CacheSettings
-    from .long_eval import LongConfig
+    from .long_runs import LongConfig
 
     for name in SHORT_ONLY:
         if getattr(args, name, None):
@@ -81,8 +81,9 @@ def long_config(args: argparse.Namespace) -> Any:
 
 def run_long_eval(args: argparse.Namespace) -> int:
     from .cli import ProgressBar, _load, _meta
-    from .long_eval import load_chosen, run_long, total_runs
+    from .long_eval import load_chosen, run_long
     from .long_report import long_markdown, write_long
+    from .long_runs import total_runs
     from .report import write_json
 
     config = long_config(args)
