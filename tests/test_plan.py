@@ -8,10 +8,10 @@ import pytest
 from tiny_models import tiny_model
 
 from mlxevict import make_cache
+from mlxevict.budget import parse_budget, storage_nbytes
 from mlxevict.errors import MlxEvictError
 from mlxevict.kvstorage import API, DTYPE, FLAGS, KVStorage, check
 from mlxevict.plan import memory_storage, plan_cache, protected_room
-from mlxevict.telemetry import parse_budget, storage_nbytes
 
 SPLIT = KVStorage.of((5, 3), window_bits=8)
 
