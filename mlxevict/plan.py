@@ -17,7 +17,7 @@ from .errors import MlxEvictError
 from .geometry import context_limit, kv_shape
 from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, SPLIT_BITS, KVStorage
 from .policies import make_policy
-from .room import default_slack, default_window, room_needed
+from .room import default_slack, default_window, full_window, room_needed
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def protected_room(
     """
     window = default_window(budget, make_policy(policy)) if window is None else window
     if storage.quantized:
-        window = max(window, default_window(budget) if storage.full_precision_window is None else storage.full_precision_window)
+        window = max(window, full_window(budget, storage.full_precision_window))
     slack = default_slack(budget) if slack is None else slack
     return room_needed(sinks, window, slack, sum(end - start for start, end in pinned))
 

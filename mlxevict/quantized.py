@@ -30,7 +30,7 @@ from .kvstorage import (
     storage_bytes,
 )
 from .quantized_storage import QuantizedStorage
-from .room import check_budget, default_window
+from .room import check_budget, full_window
 from .rotation import rotation_matrix
 
 __all__ = [
@@ -91,6 +91,6 @@ class QuantizedEvictingKVCache(EvictingKVCache):
     ):
         check(kv_bits, kv_group_size, window_bits=window_bits)
         check_budget(budget)
-        full = default_window(budget) if full_precision_window is None else full_precision_window
+        full = full_window(budget, full_precision_window)
         storage = QuantizedStorage(kv_bits, kv_group_size, full, kv_rotate, window_bits)
         super().__init__(policy, budget, storage=storage, **kwargs)

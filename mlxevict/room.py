@@ -1,5 +1,9 @@
 """The room a budget leaves to evict: the budget-scaled defaults, and the one rule that checks them.
 
+The defaults: the recent window (:func:`default_window`, the policy's share), the slack
+(:func:`default_slack`) and a quantized cache's full-precision window (:func:`full_window`,
+which the planner and the byte counts of :mod:`mlxevict.budget` read too).
+
 An evicting cache never drops its sinks, its recent window (or a window its storage
 holds apart, such as a quantized cache's full-precision tokens) or its pinned spans
 (:func:`protected`), and each eviction frees ``slack`` entries more. So a budget must
@@ -28,6 +32,12 @@ def default_window(budget: int, policy: Optional[Policy] = None) -> int:
         cap, divisor = policy.recent_window
         return max(1, min(cap, budget // divisor))
     return max(1, min(DEFAULT_WINDOW, budget // 8))
+
+
+def full_window(budget: int, full_precision_window: Optional[int] = None) -> int:
+    """A quantized cache's full-precision window at ``budget``: the one given, else the usual recent
+    window (:func:`default_window` without a policy, whatever the cache's policy)."""
+    return default_window(budget) if full_precision_window is None else full_precision_window
 
 
 def default_slack(budget: int) -> int:
