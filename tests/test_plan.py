@@ -101,3 +101,15 @@ def test_protected_room_is_what_the_cache_refuses():
         except ValueError:
             fits = False
         assert fits == (budget > room)
+    # a quantized cache's full-precision window counts instead of a smaller recent window: the same rule
+    model = tiny_model(head_dim=32, hidden_size=128)
+    storage = KVStorage.of(8, 32, full_precision_window=12)
+    room = protected_room(64, sinks=4, window=8, slack=4, storage=storage)
+    for budget in (room, room + 1):
+        try:
+            make_cache(model, "default", budget, sinks=4, window=8, slack=4, **storage.options())
+            fits = True
+        except ValueError as e:
+            assert "full_precision_window=12 leaves no room to evict" in str(e)
+            fits = False
+        assert fits == (budget > room)
