@@ -59,14 +59,15 @@ def add_long_arguments(p: argparse.ArgumentParser) -> None:
 
 def long_config(args: argparse.Namespace) -> Any:
     from .caches import CacheSettings
-    from .long_eval import LongConfig
+    from .long_runs import LongConfig
 
     for name in SHORT_ONLY:
         if getattr(args, name, None):
             raise ValueError(f"--{name.replace('_', '-')} belongs to the 512-token suite: add --suite short")
-    quick = dict(lengths=(512,), fidelity_texts=1, fidelity_length=512, fidelity_scored=64, policies=("default", "window"),
+    quick = dict(lengths=(512,), kinds=("passkeys", "reasoning"), fidelity_texts=1, fidelity_length=512, fidelity_scored=64,
+                 policies=("default", "window"),
                  compress_policies=("default",), token_fractions=(0.25,), memory_fractions=(0.25,),
-                 variants=("kivi-k5v3", "tiers-k3v2"), baselines=("quantized4",)) if args.quick else {}  # fmt: skip
+                 variants=("kivi-k5v3",), baselines=("quantized4",)) if args.quick else {}  # fmt: skip
     given = dict(
         lengths=args.lengths or ((1024, 2048, 4096, 8192) if args.long else None),
         fidelity_texts=args.fidelity_texts, instances=args.instances, kinds=args.kinds, compress_policies=args.compress_policies,
@@ -80,8 +81,9 @@ def long_config(args: argparse.Namespace) -> Any:
 
 def run_long_eval(args: argparse.Namespace) -> int:
     from .cli import ProgressBar, _load, _meta
-    from .long_eval import load_chosen, run_long, total_runs
+    from .long_eval import load_chosen, run_long
     from .long_report import long_markdown, write_long
+    from .long_runs import total_runs
     from .report import write_json
 
     config = long_config(args)

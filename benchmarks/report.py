@@ -227,7 +227,7 @@ def quality_figure(rows: list[dict[str, Any]], *, x, xlabel: str, title: str, de
             ax.grid(alpha=0.3)
         row_axes[-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))  # the title clear of the top panels
     return fig
 
 

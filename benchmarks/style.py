@@ -38,12 +38,20 @@ STORAGE_LINES = {"": "-", "q8": (0, (5, 2)), "q4": (0, (1, 1.5)), "q4w8": (0, (4
 # storage -> shade of the policy's colour: > 0 towards white, < 0 towards black
 STORAGE_SHADES = {"": 0.0, "q8": 0.35, "q4": 0.6, "q4w8": -0.35, "k5v3w8": -0.6}
 OTHER_STYLE = ("#9edae5", ".")
+# storage variants of the default policy (``benchmarks.storage_variants``): its colour, their own marker
+VARIANT_STYLES = {
+    "kivi-k5v3": (-0.35, "*"), "kivi-k2v2": (0.4, "*"), "tiers-k3v2": (0.45, "d"),
+    "sim-k5v3w8": (-0.5, "x"), "sim-k3v2w8": (0.3, "x"),
+}  # fmt: skip
+COMPRESS = " [compress]"  # a cache compressed once after prefill: its policy's look, dotted and lighter
 
 # (title, names): the panels' groups, each also drawn with the default policy as a reference.
 GROUPS = (
     ("mlxevict's policies", ("anchored", "entropy", "uncertainty", "window", "full")),
     ("published policies", ("h2o", "tova", "snapkv", "rkv", "knorm", "random")),
     ("the default policy in fewer bits", ("anchored:q8", "anchored:q4", "anchored:q4w8", "anchored:k5v3w8")),
+    ("storage variants of the default policy", tuple(VARIANT_STYLES)),
+    ("compressed once after prefill", tuple(f"{p}{COMPRESS}" for p in POLICY_STYLES)),
     ("mlx-lm's caches", tuple(MLX_LM_STYLES)),
 )
 
@@ -61,7 +69,9 @@ class Style:
 
 
 def canonical(name: str, default_policy: str = DEFAULT_POLICY) -> str:
-    """``default`` and ``default:q8`` as the policy they stand for."""
+    """``default``, ``default:q8`` and ``default [compress]`` as the policy they stand for."""
+    if name.endswith(COMPRESS):
+        return canonical(name[: -len(COMPRESS)], default_policy) + COMPRESS
     base, sep, storage = name.partition(":")
     return f"{default_policy if base == 'default' else base}{sep}{storage}"
 
@@ -69,6 +79,12 @@ def canonical(name: str, default_policy: str = DEFAULT_POLICY) -> str:
 def style(name: str, default_policy: str = DEFAULT_POLICY) -> Style:
     """The fixed look of ``name``: colour and marker from its policy, line style from its storage."""
     name = canonical(name, default_policy)
+    if name.endswith(COMPRESS):
+        look = style(name[: -len(COMPRESS)], default_policy)
+        return Style(shade(look.color, 0.3), look.marker, ":")
+    if name in VARIANT_STYLES:
+        amount, marker = VARIANT_STYLES[name]
+        return Style(shade(POLICY_STYLES[default_policy][0], amount), marker, (0, (6, 1, 1, 1)))
     if name in MLX_LM_STYLES:
         color, marker = MLX_LM_STYLES[name]
         return Style(color, marker, "--")
@@ -98,13 +114,16 @@ def groups(names: Iterable[str], default_policy: str = DEFAULT_POLICY) -> list[t
     for title, members in GROUPS:
         chosen = [by_canonical[m] for m in members if m in by_canonical and by_canonical[m] not in placed]
         placed.update(chosen)
-        if chosen:
-            out.append((title, chosen))
-    rest = [n for n in names if n not in placed]
-    out += [("other caches", rest[i : i + MAX_SERIES - 2]) for i in range(0, len(rest), MAX_SERIES - 2)]
+        out += _chunks(title, chosen)
+    out += _chunks("other caches", [n for n in names if n not in placed])
     if not out and references:
         return [("caches", references)]
     return [(title, _with(references, chosen)) for title, chosen in out]
+
+
+def _chunks(title: str, names: list[str]) -> list[tuple[str, list[str]]]:
+    """``names`` in panels of ``MAX_SERIES - 2`` (room for the two references)."""
+    return [(title, names[i : i + MAX_SERIES - 2]) for i in range(0, len(names), MAX_SERIES - 2)]
 
 
 def _with(references: Sequence[str], chosen: Sequence[str]) -> list[str]:

@@ -15,10 +15,11 @@ from typing import Any, Optional
 
 import psutil
 
-from .cache import DEFAULT_BUDGET, default_window
+from .defaults import DEFAULT_BUDGET
 from .errors import MlxEvictError
 from .geometry import kv_shape
 from .kvstorage import DTYPE, KVStorage
+from .room import full_window
 
 AUTO_FRACTION = 0.25  # share of the free memory ``--budget auto`` gives the KV cache
 MIN_AUTO_BUDGET = 256
@@ -114,7 +115,7 @@ def held_nbytes(
     """KV bytes of ``tokens`` entries, a quantized cache's window at its own size (:func:`tokens_within`)."""
     if window_bytes_per_token is None:
         return tokens * bytes_per_token
-    window = min(tokens, default_window(tokens) if full_precision_window is None else full_precision_window)
+    window = min(tokens, full_window(tokens, full_precision_window))
     return (tokens - window) * bytes_per_token + window * window_bytes_per_token
 
 

@@ -39,9 +39,6 @@ class DenseStorage:
     def empty(self) -> bool:
         return self.keys is None
 
-    def check_budget(self, budget: int, others: int, window: int) -> None:
-        """Nothing to check: every slot of a dense storage can be evicted."""
-
     def allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype, capacity: int) -> None:
         self.keys = mx.zeros((B, H, capacity, D), dtype)
         self.values = mx.zeros((B, H, capacity, Dv), dtype)

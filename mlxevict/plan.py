@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from .budget import BudgetRequest, budget_tokens, parse_budget, storage_nbytes
-from .cache import default_slack, default_window
 from .errors import MlxEvictError
 from .geometry import context_limit, kv_shape
 from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, SPLIT_BITS, KVStorage
 from .policies import make_policy
+from .room import default_slack, default_window, full_window, room_needed
 
 
 @dataclass(frozen=True)
@@ -84,12 +84,13 @@ def protected_room(
 
     ``window``/``slack`` of ``None`` take the cache's budget-scaled defaults (the policy's
     recent window); a quantized cache's full-precision window is never evicted either.
+    The rule is :func:`mlxevict.room.room_needed`, the one the cache checks when it is made.
     """
     window = default_window(budget, make_policy(policy)) if window is None else window
     if storage.quantized:
-        window = max(window, default_window(budget) if storage.full_precision_window is None else storage.full_precision_window)
+        window = max(window, full_window(budget, storage.full_precision_window))
     slack = default_slack(budget) if slack is None else slack
-    return sinks + window + sum(end - start for start, end in pinned) + slack
+    return room_needed(sinks, window, slack, sum(end - start for start, end in pinned))
 
 
 def plan_cache(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .cache import DEFAULT_BUDGET, EvictingKVCache, check_budget, default_window
+from .cache import DEFAULT_BUDGET, EvictingKVCache
 from .policies import Policy
 from .quantized_attention import Entries, quantized_attention
 from .geometry import model_head_dim
@@ -30,6 +30,7 @@ from .kvstorage import (
     storage_bytes,
 )
 from .quantized_storage import QuantizedStorage
+from .room import check_budget, full_window
 from .rotation import rotation_matrix
 
 __all__ = [
@@ -90,6 +91,6 @@ class QuantizedEvictingKVCache(EvictingKVCache):
     ):
         check(kv_bits, kv_group_size, window_bits=window_bits)
         check_budget(budget)
-        full = default_window(budget) if full_precision_window is None else full_precision_window
+        full = full_window(budget, full_precision_window)
         storage = QuantizedStorage(kv_bits, kv_group_size, full, kv_rotate, window_bits)
         super().__init__(policy, budget, storage=storage, **kwargs)

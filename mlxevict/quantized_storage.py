@@ -70,21 +70,11 @@ class QuantizedStorage:
 
     @property
     def protected(self) -> int:
-        """The window's tokens are never evicted while there."""
+        """The window's tokens are never evicted while there (the cache's room counts them: :mod:`mlxevict.room`)."""
         return self.full_precision_window
 
     def empty(self) -> bool:
         return self.keys is None
-
-    def check_budget(self, budget: int, others: int, window: int) -> None:
-        """Raise if the window leaves no room to evict (``others``: sinks + pinned + slack)."""
-        full = self.full_precision_window
-        if full > window and budget <= others + full:
-            raise ValueError(
-                f"full_precision_window={full} leaves no room to evict at budget={budget}: "
-                f"sinks + full_precision_window + slack = {others + full} (full-precision tokens are never "
-                "evicted); lower full_precision_window or raise --budget"
-            )
 
     # ---- layout ------------------------------------------------------------
     def _zeros(self, B: int, H: int, C: int, D: int, dtype: mx.Dtype, bits: int) -> Entries:

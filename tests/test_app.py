@@ -32,9 +32,9 @@ from mlxevict.app.transcript import cache_table
 from mlxevict.events import Finished, Progress, TextChunk
 from mlxevict.generate import ChatSession, ThinkSplitter
 from mlxevict.kvstorage import KVStorage
+from mlxevict.memory import MemorySnapshot
 from mlxevict.plan import plan_cache
 from mlxevict.stats import CacheStats
-from mlxevict.telemetry import MemorySnapshot
 
 GB = 1024**3
 SIZE = (120, 36)

@@ -66,12 +66,7 @@ def check_invariants(caches: list[EvictingKVCache], tokens_seen: int, sinks: int
 def test_budget_holds_after_every_chunk(policy, budget, slack, chunks):
     model = tiny_model("llama", layers=1)
     caches = make_cache(model, policy, budget=budget, sinks=3, window=6, slack=slack)
-    tokens = random_tokens(sum(chunks))
-    seen = 0
-    for size in chunks:
-        model(tokens[None, seen : seen + size], cache=caches)
-        seen += size
-        check_invariants(caches, seen, sinks=3)
+    run_chunks(model, caches, random_tokens(sum(chunks)), chunks, after=lambda seen: check_invariants(caches, seen, sinks=3))
 
 
 @pytest.mark.parametrize("policy", EVICTING)

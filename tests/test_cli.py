@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 from model_files import build_tiny_model, write_hub_repo
 
+from mlxevict.budget import parse_size
 from mlxevict.cli import main
+from mlxevict.geometry import kv_bytes_per_token
 from mlxevict.openblas import REEXEC_GUARD, openblas_library, preload_env
-from mlxevict.telemetry import kv_bytes_per_token, parse_size
 
 PROMPT = "Tell me a long story about a fox who learns to count."
 STATS = re.compile(

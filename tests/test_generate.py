@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm import load
+from forcing import force
 from model_files import EOS, build_tiny_model
 
 import mlxevict
@@ -17,7 +18,7 @@ from mlxevict.errors import MlxEvictError
 from mlxevict.events import Finished, Progress, TextChunk
 from mlxevict.generate import ChatSession, ThinkSplitter, opens_think, render, stream_events
 from mlxevict.kernels import prediction_entropy
-from mlxevict.telemetry import MemoryGuard
+from mlxevict.memory import MemoryGuard
 
 PROMPT = "What is the capital of France? Think about it step by step."
 
@@ -36,24 +37,6 @@ def think(tmp_path_factory):
 def short_context(tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp("short") / "m", max_position_embeddings=64)
     return load(str(path))
-
-
-def force(tokenizer, script: str | list[int], then_eos: bool = False):
-    """A logits processor that makes the model emit ``script`` (then EOS): mlx-lm's own hook."""
-    ids = tokenizer.encode(script, add_special_tokens=False) if isinstance(script, str) else list(script)
-    if then_eos:
-        ids.append(tokenizer.convert_tokens_to_ids(EOS))
-    step = {"n": 0}
-
-    def processor(tokens, logits):
-        if step["n"] >= len(ids):
-            return logits
-        mask = mx.full(logits.shape, -1e9, logits.dtype)
-        mask[..., ids[step["n"]]] = 0.0
-        step["n"] += 1
-        return logits + mask
-
-    return processor
 
 
 def run(model, tokenizer, prompt=PROMPT, **kwargs):

@@ -18,7 +18,7 @@ from tiny_models import tiny_model
 import mlxevict
 from mlxevict.benchmarks import cli as bcli
 from mlxevict.benchmarks import long_eval as le
-from mlxevict.benchmarks import long_cli, long_report, long_tasks, prose, tasks
+from mlxevict.benchmarks import long_cli, long_feed, long_report, long_runs, long_tasks, prose, tasks
 from mlxevict.benchmarks import storage_variants as sv
 from mlxevict.benchmarks.caches import CacheSettings
 
@@ -90,14 +90,14 @@ def test_a_forked_compress_prefill_equals_its_own_prefill(model):
     x = mx.random.randint(0, 256, (2, 300), key=mx.random.key(3))
     settings = CacheSettings()
     with mlxevict.patched(model):
-        run = le.Run("default", "tokens", 0.25, "compress")
-        direct = le.build(model, run, 300, settings)
-        le.feed(model, direct, x, 0, 260, 64)
-        held = le.build(model, le.Run("default", "tokens", 1.0, "compress"), 300, settings)
-        le.feed(model, held, x, 0, 260, 64)
-        forked = le.fork(held, le.build(model, run, 300, settings), 64)
-        a = mx.concatenate(le.feed(model, direct, x, 260, 300, 1), axis=1)
-        b = mx.concatenate(le.feed(model, forked, x, 260, 300, 1), axis=1)
+        run = long_runs.Run("default", "tokens", 0.25, "compress")
+        direct = long_feed.build(model, run, 300, settings)
+        long_feed.feed(model, direct, x, 0, 260, 64)
+        held = long_feed.build(model, long_runs.Run("default", "tokens", 1.0, "compress"), 300, settings)
+        long_feed.feed(model, held, x, 0, 260, 64)
+        forked = long_feed.fork(held, long_feed.build(model, run, 300, settings), 64)
+        a = mx.concatenate(long_feed.feed(model, direct, x, 260, 300, 1), axis=1)
+        b = mx.concatenate(long_feed.feed(model, forked, x, 260, 300, 1), axis=1)
     assert direct[0].evictions > 0 and forked[0].size() == direct[0].size() <= 75
     assert mx.allclose(a, b, atol=1e-5)
 
@@ -138,7 +138,7 @@ def test_simulated_storage_holds_its_bytes_and_tiers_evict_only_when_the_low_tie
 
 # ---- end to end ----------------------------------------------------------------------------
 def test_long_suite_end_to_end_structure(model, tmp_path):
-    config = le.LongConfig(
+    config = long_runs.LongConfig(
         lengths=(LENGTH,), kinds=("passkeys",), fidelity_texts=1, fidelity_length=LENGTH, fidelity_scored=32,
         policies=("default",), compress_policies=("default",), token_fractions=(0.25,), memory_fractions=(0.25,),
         variants=("tiers-k3v2",), baselines=("quantized4",),
@@ -146,12 +146,12 @@ def test_long_suite_end_to_end_structure(model, tmp_path):
     labels = []
     results = le.run_long(model, TOK, config, labels.append)
     assert set(results["splits"]) == {"tuning", "test"}
-    assert len(labels) == sum(len(s["rows"]) for s in results["splits"].values()) <= le.total_runs(config)
-    assert results["chosen"]["0.25"] in ("default", le.PRODUCT_STORAGE, "tiers-k3v2")
+    assert len(labels) == sum(len(s["rows"]) for s in results["splits"].values()) <= long_runs.total_runs(config)
+    assert results["chosen"]["0.25"] in ("default", long_runs.PRODUCT_STORAGE, "tiers-k3v2")
     test = results["splits"]["test"]
     keys = {(r["cache"], r["protocol"], r["budget_of"]) for r in test["rows"]}
     assert {("kvcache", "stream", None), ("quantized4", "stream", None), ("rotating", "stream", "tokens"),
-            ("default", "compress", "tokens"), (le.PRODUCT_STORAGE, "stream", "memory")} <= keys  # fmt: skip
+            ("default", "compress", "tokens"), (long_runs.PRODUCT_STORAGE, "stream", "memory")} <= keys  # fmt: skip
     assert sum(r["picked_on_tuning"] for r in test["rows"]) == 1
     for row in test["rows"]:
         assert row["retrieval"][1] == test["rows"][0]["retrieval"][1]  # the full cache's answers, for every row
@@ -167,7 +167,7 @@ def test_long_suite_end_to_end_structure(model, tmp_path):
 
 
 def test_the_full_caches_outcome_round_trips_through_the_reference_dir(model, tmp_path):
-    config = le.LongConfig(
+    config = long_runs.LongConfig(
         lengths=(LENGTH,), kinds=("passkey",), fidelity_texts=1, fidelity_length=400, fidelity_scored=16,
         splits=("test",), parts=(), reference_dir=str(tmp_path),
     )  # fmt: skip
@@ -200,6 +200,6 @@ def test_quick_long_eval_on_the_real_model(smollm_path, tmp_path):
     assert args.func(args) == 0
     results = json.loads((tmp_path / "long.json").read_text())
     rows = {r["cache"]: r for r in results["splits"]["test"]["rows"]}
-    assert set(rows) == {"kvcache", "default", le.PRODUCT_STORAGE}
-    assert rows[le.PRODUCT_STORAGE]["kv_fraction_16bit"] <= 0.25
+    assert set(rows) == {"kvcache", "default", long_runs.PRODUCT_STORAGE}
+    assert rows[long_runs.PRODUCT_STORAGE]["kv_fraction_16bit"] <= 0.25
     assert (tmp_path / "long_test.png").stat().st_size > 0

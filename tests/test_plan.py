@@ -8,10 +8,10 @@ import pytest
 from tiny_models import tiny_model
 
 from mlxevict import make_cache
+from mlxevict.budget import parse_budget, storage_nbytes
 from mlxevict.errors import MlxEvictError
 from mlxevict.kvstorage import API, DTYPE, FLAGS, KVStorage, check
 from mlxevict.plan import memory_storage, plan_cache, protected_room
-from mlxevict.telemetry import parse_budget, storage_nbytes
 
 SPLIT = KVStorage.of((5, 3), window_bits=8)
 
@@ -99,5 +99,17 @@ def test_protected_room_is_what_the_cache_refuses():
             make_cache(model, "default", budget, sinks=4, window=8, slack=4, pinned=[(10, 20)])
             fits = True
         except ValueError:
+            fits = False
+        assert fits == (budget > room)
+    # a quantized cache's full-precision window counts instead of a smaller recent window: the same rule
+    model = tiny_model(head_dim=32, hidden_size=128)
+    storage = KVStorage.of(8, 32, full_precision_window=12)
+    room = protected_room(64, sinks=4, window=8, slack=4, storage=storage)
+    for budget in (room, room + 1):
+        try:
+            make_cache(model, "default", budget, sinks=4, window=8, slack=4, **storage.options())
+            fits = True
+        except ValueError as e:
+            assert "full_precision_window=12 leaves no room to evict" in str(e)
             fits = False
         assert fits == (budget > room)

@@ -12,6 +12,7 @@ import pytest
 from mlxevict.benchmarks import caches as bcaches
 from mlxevict.benchmarks import cli as bcli
 from mlxevict.benchmarks import replot, report, style, terminal
+from mlxevict.benchmarks.storage_variants import VARIANTS
 from mlxevict.policies import DEFAULT_POLICY, policy_names
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
@@ -19,6 +20,8 @@ EVERY_NAME = list(dict.fromkeys([
     *bcaches.cache_names(),
     *(f"{DEFAULT_POLICY}{suffix}" for suffix in bcaches.STORAGE_SUFFIXES),
     f"{DEFAULT_POLICY}:k5v3w8",
+    *VARIANTS,  # the long suite's storage variants and its caches compressed once after prefill
+    *(f"{p}{style.COMPRESS}" for p in policy_names() if p not in ("full", "default")),
 ]))
 
 
@@ -27,11 +30,13 @@ def test_each_policy_and_cache_has_its_own_look_everywhere():
     looks = {n: style.style(n) for n in names}
     assert len({(s.color, s.marker, str(s.linestyle)) for s in looks.values()}) == len(names)
     # One colour and marker per policy, whatever its storage; "default" is drawn as the policy it names.
-    bases = [n for n in names if ":" not in n and n not in bcaches.MLX_LM_CACHES]
+    bases = [n for n in names if ":" not in n and n not in bcaches.MLX_LM_CACHES and n not in VARIANTS and " " not in n]
     assert len({(looks[n].color, looks[n].marker) for n in bases}) == len(bases) == len(policy_names()) - 1
     assert style.style("default", DEFAULT_POLICY) == looks[DEFAULT_POLICY]
     assert looks[f"{DEFAULT_POLICY}:q8"].marker == looks[DEFAULT_POLICY].marker
     assert looks[f"{DEFAULT_POLICY}:q8"].linestyle != looks[DEFAULT_POLICY].linestyle
+    assert looks[f"snapkv{style.COMPRESS}"].marker == looks["snapkv"].marker
+    assert style.style(f"default{style.COMPRESS}") == looks[f"{DEFAULT_POLICY}{style.COMPRESS}"]
 
 
 def test_groups_hold_at_most_eight_and_place_every_name():

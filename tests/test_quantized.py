@@ -206,12 +206,7 @@ def test_budget_holds_after_every_chunk(policy, bits, budget, full, chunks):
         kv_group_size=GROUP,
         full_precision_window=full,
     )
-    tokens = random_tokens(sum(chunks))
-    seen = 0
-    for size in chunks:
-        model(tokens[None, seen : seen + size], cache=caches)
-        seen += size
-        check_invariants(caches, seen, sinks=3)
+    run_chunks(model, caches, random_tokens(sum(chunks)), chunks, after=lambda seen: check_invariants(caches, seen, sinks=3))
 
 
 @pytest.mark.parametrize("bits", [8, 4, (5, 3)])

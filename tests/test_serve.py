@@ -19,18 +19,19 @@ import time
 import urllib.error
 import urllib.request
 
-import mlx.core as mx
 import openai
 import pytest
 from mlx_lm import load
 from mlx_lm.utils import load_tokenizer
+from forcing import force
 
+from mlxevict.budget import parse_budget
 from mlxevict.commands.common import resolve_budget
 from mlxevict.demo_model import demo_model_path
+from mlxevict.memory import MemoryGuard
 from mlxevict.server import ApiServer, ConversationStore, Defaults, Engine
 from mlxevict.server.protocol import ApiError, parse_request
 from mlxevict.server.stops import StopMatcher
-from mlxevict.telemetry import MemoryGuard, parse_budget
 
 BUDGET = 256
 THINK_SCRIPT = "plan</think>\n\ndone"
@@ -42,26 +43,6 @@ LONG_TEXT = (
     "Its drainage basin covers eleven countries. "
 ) * 2
 DEFAULTS = Defaults(max_tokens=16, temperature=0.0, top_p=1.0, policy="default", budget=BUDGET)
-
-
-def forced(tokenizer, script: str):
-    """Logits processors that make the model write ``script`` and then end (mlx-lm's own hook)."""
-    ids = [*tokenizer.encode(script, add_special_tokens=False), tokenizer.eos_token_id]
-
-    def make():
-        step = {"n": 0}
-
-        def processor(tokens, logits):
-            if step["n"] >= len(ids):
-                return logits
-            mask = mx.full(logits.shape, -1e9, logits.dtype)
-            mask[..., ids[step["n"]]] = 0.0
-            step["n"] += 1
-            return logits + mask
-
-        return [processor]
-
-    return make
 
 
 class Running:
@@ -196,7 +177,7 @@ def test_streamed_reasoning_is_split_from_the_answer(demo):
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
     )
-    running = Running(model, tokenizer, logits_processors=forced(tokenizer, THINK_SCRIPT))
+    running = Running(model, tokenizer, logits_processors=lambda: [force(tokenizer, THINK_SCRIPT, then_eos=True)])
     try:
         stream = running.client.chat.completions.create(
             model="default", messages=QUESTION, max_tokens=30, stream=True, stream_options={"include_usage": True}

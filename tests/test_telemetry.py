@@ -14,21 +14,10 @@ from model_files import build_tiny_model
 
 import mlxevict
 from mlxevict.errors import MlxEvictError
-from mlxevict.telemetry import (
-    MIN_AUTO_BUDGET,
-    BudgetRequest,
-    MemoryGuard,
-    budget_tokens,
-    fit_budget,
-    held_nbytes,
-    tokens_within,
-    format_bytes,
-    kv_bytes_per_token,
-    kv_shape,
-    memory_snapshot,
-    parse_budget,
-    parse_size,
-)
+from mlxevict.budget import MIN_AUTO_BUDGET, BudgetRequest, budget_tokens, fit_budget, held_nbytes, tokens_within
+from mlxevict.budget import parse_budget, parse_size
+from mlxevict.geometry import kv_bytes_per_token, kv_shape
+from mlxevict.memory import MemoryGuard, format_bytes, memory_snapshot
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +209,14 @@ def test_tokens_within_count_a_quantized_window_at_its_own_size(window_bytes, fp
         assert held_nbytes(tokens, 192, window_bytes, fp_window) <= nbytes
         assert held_nbytes(tokens + 1, 192, window_bytes, fp_window) > nbytes
     assert fit_budget(192, 4 * 100_000, window_bytes_per_token=1024) == tokens_within(100_000, 192, 1024) // 64 * 64
+
+
+def test_the_old_telemetry_path_still_imports():
+    """``mlxevict.telemetry`` (0.1's module) re-exports the objects of memory, geometry, budget and plan."""
+    import mlxevict.telemetry as old
+    from mlxevict import budget, geometry, memory, plan
+
+    for name in old.__all__:
+        home = next(m for m in (budget, geometry, memory, plan) if hasattr(m, name))
+        assert getattr(old, name) is getattr(home, name), name
+    assert old.MemoryGuard is MemoryGuard and old.parse_budget is parse_budget and old.kv_shape is kv_shape

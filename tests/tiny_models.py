@@ -40,10 +40,15 @@ def random_tokens(n: int, seed: int = 1) -> mx.array:
     return mx.random.randint(0, VOCAB, (n,), key=mx.random.key(seed))
 
 
-def run_chunks(model: nn.Module, cache, tokens: mx.array, chunks: list[int]) -> mx.array:
-    """Feed ``tokens`` in the given chunk sizes; return the logits of every position."""
+def run_chunks(model: nn.Module, cache, tokens: mx.array, chunks: list[int], after=None) -> mx.array:
+    """Feed ``tokens`` in the given chunk sizes; return the logits of every position.
+
+    ``after``: called with the number of tokens fed so far after each chunk (to check invariants).
+    """
     out, start = [], 0
     for size in chunks:
         out.append(model(tokens[None, start : start + size], cache=cache))
         start += size
+        if after is not None:
+            after(start)
     return mx.concatenate(out, axis=1)

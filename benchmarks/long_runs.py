@@ -1,0 +1,89 @@
+"""The long suite's plan: which caches run under which budgets and protocols (:mod:`.long_eval` runs it)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .caches import REFERENCE, CacheSettings
+from .long_tasks import KINDS
+
+PROTOCOLS = ("stream", "compress")
+CHUNK = 64
+TOKEN_FRACTIONS = (0.5, 0.25, 0.125)
+MEMORY_FRACTIONS = (0.25, 0.125)
+SEEDS = {"tuning": 0, "test": 1}
+CHOSEN = "chosen"  # the test half's name for the storage the tuning half picked
+TEST_POLICIES = ("default", "window", "snapkv", "entropy", "uncertainty")  # --policies adds tova, h2o, ...
+COMPRESS_POLICIES = ("default", "snapkv")
+TUNING_VARIANTS = ("kivi-k5v3", "tiers-k3v2")  # measured in docs/results/long; --variants tries the others
+PRODUCT_STORAGE = "default:k5v3w8"  # the memory-budget rule's storage today
+PARTS = ("baselines", "policies", "compress", "memory", "chosen")  # "variants": also every simulated storage
+
+
+@dataclass(frozen=True)
+class Run:
+    """One cache under one budget and protocol. ``budget_of``: ``"tokens"``, ``"memory"`` or ``None``."""
+
+    cache: str
+    budget_of: str | None = None
+    fraction: float | None = None
+    protocol: str = "stream"
+
+    @property
+    def label(self) -> str:
+        budget = "" if self.fraction is None else f" @ {self.fraction:g} {self.budget_of}"
+        return f"{self.cache} [{self.protocol}]{budget}"
+
+
+@dataclass(frozen=True)
+class LongConfig:
+    """What the long suite runs. Sized toward ~30 minutes on an idle 2-core CPU with SmolLM2-135M;
+    not yet timed there (docs/results/long/README.md ran a cut-down version on a loaded machine)."""
+
+    lengths: tuple[int, ...] = (1024, 2048)
+    kinds: tuple[str, ...] = KINDS
+    instances: int = 1
+    fidelity_texts: int = 2
+    fidelity_length: int = 2048
+    fidelity_scored: int = 256
+    policies: tuple[str, ...] = TEST_POLICIES
+    compress_policies: tuple[str, ...] = COMPRESS_POLICIES
+    token_fractions: tuple[float, ...] = TOKEN_FRACTIONS
+    memory_fractions: tuple[float, ...] = MEMORY_FRACTIONS
+    variants: tuple[str, ...] = TUNING_VARIANTS
+    baselines: tuple[str, ...] = ("quantized8", "quantized4", "quantized3")
+    splits: tuple[str, ...] = ("tuning", "test")
+    parts: tuple[str, ...] = PARTS  # which groups of the test half's runs
+    reference_dir: str | None = None  # keep the full cache's outcomes here, for runs split across processes
+    chunk: int = CHUNK
+    settings: CacheSettings = field(default_factory=CacheSettings)
+
+    def runs(self, split: str) -> list[Run]:
+        """The tuning half: the default policy and every storage candidate per memory budget.
+        The test half: mlx-lm's caches, every policy per token budget and protocol, and the picked storage."""
+        mem = [Run(c, "memory", f) for f in self.memory_fractions for c in ("default", PRODUCT_STORAGE)]
+        if split == "tuning":
+            storages = (*(("default", PRODUCT_STORAGE) if "memory" in self.parts else ()), *self.variants)
+            return [Run(REFERENCE), *(Run(c, "memory", f) for f in self.memory_fractions for c in storages)]
+        groups = {
+            "baselines": [Run(b) for b in self.baselines] + [Run("rotating", "tokens", f) for f in self.token_fractions],
+            "policies": [Run(p, "tokens", f) for p in self.policies for f in self.token_fractions],
+            "compress": [Run(p, "tokens", f, "compress") for p in self.compress_policies for f in self.token_fractions],
+            "memory": mem,
+            "variants": [Run(v, "memory", f) for f in self.memory_fractions for v in self.variants],
+            "chosen": [Run(CHOSEN, "memory", f) for f in self.memory_fractions],
+        }
+        return [Run(REFERENCE), *(r for part in self.parts for r in groups[part])]
+
+
+def config_json(config: LongConfig) -> dict[str, Any]:
+    out = {k: getattr(config, k) for k in LongConfig.__dataclass_fields__ if k != "settings"}
+    out["settings"] = vars(config.settings)
+    out["seeds"] = SEEDS
+    return json.loads(json.dumps(out, default=list))
+
+
+def total_runs(config: LongConfig) -> int:
+    return sum(len(config.runs(s)) for s in config.splits)

@@ -1,0 +1,96 @@
+"""The evicting cache's eviction: what is always kept, when to compact, and the compaction step.
+
+:class:`CacheEviction` is the part of :class:`~mlxevict.cache.EvictingKVCache` that
+decides. Before a chunk is appended, :meth:`~CacheEviction._plan` says how many
+entries to keep (``None`` while the budget holds them all), using statistics the
+policy collected from earlier queries, and frees ``slack`` entries more so the next
+``slack`` tokens append without another compaction; :meth:`~CacheEviction._evict`
+ranks the slots (sinks, the recent window and pinned spans first, then the policy's
+scores) and gathers the kept ones to the front in time order (compiled kernels,
+:mod:`mlxevict.kernels`). Pinned spans live in :class:`~mlxevict.pins.Pins`; how
+much a budget protects is :mod:`mlxevict.room`'s rule.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import mlx.core as mx
+
+from .cache_slots import GROW_STEP
+from .kernels import compact_compiled, priority_compiled
+from .room import check_room, protected
+
+
+class CacheEviction:
+    """Eviction of :class:`~mlxevict.cache.EvictingKVCache` (a part of the cache, not a cache of its own).
+
+    It reads the cache's settings (``budget``, ``sinks``, ``window``, ``slack``,
+    ``prompt_mode``), its ``policy``, ``pins``, ``storage`` and slots.
+    """
+
+    @property
+    def protected_window(self) -> int:
+        """The newest positions an eviction never drops (the storage may hold a window of its own)."""
+        return max(self.window, self.storage.protected)
+
+    @property
+    def pinned_tokens(self) -> int:
+        return self.pins.tokens
+
+    @property
+    def pinned(self) -> list[tuple[int, int]]:
+        """Absolute ``(start, end)`` spans always kept (the prompt's among them)."""
+        return self.pins.spans
+
+    @property
+    def max_chunk(self) -> int:
+        """The longest chunk one call may append while the budget holds."""
+        if not self.policy.evicts or self.prompt_mode == "compress":
+            return GROW_STEP
+        return self.budget - protected(self.sinks, self.protected_window, self.pinned_tokens) - self.slack
+
+    def _plan(self, S: int) -> Optional[int]:
+        """How many entries to keep before appending ``S`` tokens, or ``None``: no eviction."""
+        if not self.policy.evicts or (self.prompt_mode == "compress" and S > 1):
+            return None
+        compressing = self.prompt_mode == "compress" and self._size > self.budget
+        if not compressing and self._size + S <= self.budget:
+            return None  # storage grows (if need be) instead
+        if S > self.max_chunk:
+            raise ValueError(
+                f"a chunk of {S} tokens does not fit budget={self.budget} with sinks={self.sinks}, "
+                f"window={self.window}, slack={self.slack}; feed at most {self.max_chunk} tokens per "
+                "call (mlxevict.patch splits longer prompts for you)"
+            )
+        self.flush()  # the policy's statistics (and effective budget) must be current
+        self._last_budget = min(self.budget, self.policy.effective_budget(self.budget))
+        floor = protected(self.sinks, self.protected_window, self.pinned_tokens)
+        return min(self._size, max(floor, self._last_budget - S - self.slack))
+
+    def _evict(self, n_keep: int) -> None:
+        if n_keep >= self._size:
+            return
+        pinned = mx.array(self.pinned or [(0, 0)], dtype=mx.int32)
+        rank_key = priority_compiled(
+            self.policy.score(self), self.positions, mx.array(self.offset), self.sinks, self.protected_window, pinned
+        )
+        self._set_slots(compact_compiled(rank_key, mx.array(n_keep), self._slots()))
+        self.evictions += 1
+        self._size = n_keep
+
+    def feed_prompt(self, S: int) -> None:
+        """Pin the prompt as it arrives (:class:`~mlxevict.pins.Pins`): the patched model calls this
+        before each call of ``S`` tokens; a prompt too long to pin is named once, when it ends."""
+        room = self.budget - protected(self.sinks, self.protected_window) - self.slack
+        warning = self.pins.feed_prompt(self.offset, S, room)
+        if warning:
+            warnings.warn(warning, stacklevel=2)
+
+    def pin(self, start: int, end: int) -> None:
+        """Always keep absolute positions ``[start, end)`` from now on (e.g. the user prompt)."""
+        check_room(
+            self.budget, self.sinks, self.protected_window, self.slack, self.pinned_tokens + max(0, end - start)
+        )
+        self.pins.add(start, end)
