@@ -110,12 +110,17 @@ def held_nbytes(
     bytes_per_token: int,
     window_bytes_per_token: Optional[int] = None,
     full_precision_window: Optional[int] = None,
+    held_extra: int = 0,
 ) -> int:
-    """KV bytes of ``tokens`` entries, a quantized cache's window at its own size (:func:`tokens_within`)."""
+    """KV bytes of ``tokens`` entries, a quantized cache's window at its own size (:func:`tokens_within`).
+
+    ``held_extra``: window slots held beyond the window's tokens (an unfinished key group, whose rows
+    also keep their quantized slots: :class:`~mlxevict.channel_storage.ChannelStorage`).
+    """
     if window_bytes_per_token is None:
         return tokens * bytes_per_token
     window = min(tokens, default_window(tokens) if full_precision_window is None else full_precision_window)
-    return (tokens - window) * bytes_per_token + window * window_bytes_per_token
+    return (tokens - window) * bytes_per_token + (window + held_extra) * window_bytes_per_token
 
 
 def tokens_within(
@@ -123,6 +128,7 @@ def tokens_within(
     bytes_per_token: int,
     window_bytes_per_token: Optional[int] = None,
     full_precision_window: Optional[int] = None,
+    held_extra: int = 0,
 ) -> int:
     """The most tokens whose KV fits ``nbytes``.
 
@@ -132,7 +138,7 @@ def tokens_within(
     """
     tokens = max(0, nbytes) // max(1, bytes_per_token)
     # The window costs at most a few dozen tokens more.
-    while tokens > 0 and held_nbytes(tokens, bytes_per_token, window_bytes_per_token, full_precision_window) > nbytes:
+    while tokens > 0 and held_nbytes(tokens, bytes_per_token, window_bytes_per_token, full_precision_window, held_extra) > nbytes:
         tokens -= 1
     return tokens
 
@@ -149,6 +155,7 @@ def _costs(model_or_config: Any, storage: KVStorage) -> dict[str, Any]:
         bytes_per_token=shape.storage_bytes(storage),
         window_bytes_per_token=shape.window_bytes(storage),
         full_precision_window=storage.full_precision_window,
+        held_extra=storage.held_extra,
     )
 
 
@@ -160,6 +167,7 @@ def fit_budget(
     context_limit: Optional[int] = None,
     window_bytes_per_token: Optional[int] = None,
     full_precision_window: Optional[int] = None,
+    held_extra: int = 0,
 ) -> int:
     """The budget (tokens per layer) whose KV takes ``fraction`` of ``available`` bytes.
 
@@ -174,7 +182,7 @@ def fit_budget(
         A positive multiple of 64, at least ``MIN_AUTO_BUDGET``.
     """
     nbytes = int(max(0, available) * fraction)
-    tokens = tokens_within(nbytes, bytes_per_token, window_bytes_per_token, full_precision_window)
+    tokens = tokens_within(nbytes, bytes_per_token, window_bytes_per_token, full_precision_window, held_extra)
     if context_limit:
         tokens = min(tokens, context_limit)
     return max(MIN_AUTO_BUDGET, tokens // 64 * 64)

@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_causal_mask
 
 from .defaults import DEFAULT_BUDGET, DEFAULT_SINKS, DEFAULT_WINDOW  # noqa: F401 (read from here too)
+from .channel_storage import ChannelStorage
 from .dense_storage import DenseStorage, fit_slots
 from .distributed import UNSHARDED, Shard
 from .kernels import compact_compiled, priority_compiled
@@ -59,6 +60,8 @@ def grow_step(budget: int) -> int:
 
 def storage_from_meta(meta: dict[str, Any]) -> Any:
     """The storage component a saved cache's metadata describes (quantized ones save ``kv_bits``)."""
+    if meta.get("key_group"):
+        return ChannelStorage.from_meta(meta)
     return DenseStorage() if meta.get("kv_bits") is None else QuantizedStorage.from_meta(meta)
 
 

@@ -1,0 +1,355 @@
+"""Channel storage: keys quantized per channel over groups of tokens (KIVI), values per token.
+
+KIVI (Liu et al. 2024, https://arxiv.org/abs/2402.02750) quantizes keys per
+channel: a key channel's outliers are steady over tokens, so a scale per
+(channel, ``key_group`` tokens) fits them far better than a scale per token.
+Values stay per token (``mx.quantize`` groups of ``kv_group_size`` channels),
+rotated by :func:`mlxevict.rotation.rotation_matrix`; keys are not rotated.
+
+Tokens arrive in 8 bits per token (unrotated) and wait there, never evicted: the
+newest ``full_precision_window`` tokens and the key group not yet complete. Once
+a whole group of ``key_group`` positions (``[g·G, (g+1)·G)``) is older than the
+window, it is quantized **once** and never again, whatever is evicted later:
+
+- each slot holds its key's codes packed along the channel axis (``key_bits``
+  per channel, ``uint32`` words, :func:`pack_codes`) and the row of its group in
+  a table of per-(group, channel) scales and biases (model dtype, as
+  ``mx.quantize``'s); both move with the slot through compaction;
+- the table keeps the rows of live groups only: after a compaction, rows no slot
+  uses are dropped (the next write collects them);
+- values are ``mx.quantize``'s packed words, scales and biases per slot.
+
+So the bytes held are the packed codes, the row ids, the live table, the values
+and the 8-bit part; :attr:`ChannelStorage.nbytes` counts exactly those arrays.
+A table row costs ``4·D`` bytes (16-bit scales) whether its group keeps 64
+entries or one: an eviction that leaves many groups thinly populated costs more
+than the budget's estimate (``key_group`` tokens per row), see docs/storage.md.
+
+Attention dequantizes a layer's keys and values into dense ``(B, H, N, D)``
+arrays (a transient copy, as the policies' ``dense_keys``) and leaves them to
+the model's own attention. This module reproduces
+``benchmarks/storage_variants.py``'s simulated ``kivi-k5v3`` (fake quantization
+into a dense cache) with real storage, and is tested against it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .dense_storage import fit_slots
+from .kvstorage import DEFAULT_GROUP_SIZE, KVBits, check, key_value_bits
+from .rotation import rotation_matrix
+
+HELD_BITS = 8  # the window and the unfinished key group, per token
+WORD = 32  # bits per packed word
+
+
+def _layout(bits: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """For 32 codes of ``bits`` in ``bits`` words: each code's word, shift, and the next word's shift."""
+    start = np.arange(WORD) * bits
+    word, shift = start // WORD, start % WORD
+    spill = shift + bits > WORD  # the code continues in the next word
+    next_word = np.minimum(word + 1, bits - 1)
+    next_shift = np.where(spill, WORD - shift, 0)
+    return mx.array(word), mx.array(shift.astype(np.uint32)), mx.array(next_word), mx.array(next_shift.astype(np.uint32))
+
+
+def pack_codes(codes: mx.array, bits: int) -> mx.array:
+    """``(..., D)`` integer codes below ``2**bits`` → ``(..., D * bits // 32)`` ``uint32``, bit-packed LSB first."""
+    *lead, D = codes.shape
+    word, shift, next_word, next_shift = _layout(bits)
+    c = codes.astype(mx.uint32).reshape(*lead, D // WORD, WORD)  # ..., D/32, 32
+    low = c << shift  # bits that land in the code's own word (overflow drops off)
+    high = mx.where(next_shift > 0, c >> mx.where(next_shift > 0, next_shift, 1), 0)  # bits that spill over
+    onehot = mx.arange(bits)[:, None] == word[None]  # bits, 32
+    spill_hot = (mx.arange(bits)[:, None] == next_word[None]) & (next_shift[None] > 0)
+    # Bits never overlap, so a sum is an OR.
+    words = (mx.where(onehot, low[..., None, :], 0) + mx.where(spill_hot, high[..., None, :], 0)).sum(axis=-1)
+    return words.astype(mx.uint32).reshape(*lead, D * bits // WORD)
+
+
+def unpack_codes(words: mx.array, bits: int) -> mx.array:
+    """Inverse of :func:`pack_codes`: ``(..., D * bits // 32)`` ``uint32`` → ``(..., D)`` ``uint32`` codes."""
+    *lead, W = words.shape
+    word, shift, next_word, next_shift = _layout(bits)
+    w = words.reshape(*lead, W // bits, bits)  # ..., D/32, bits
+    low = mx.take(w, word, axis=-1) >> shift
+    high = mx.where(next_shift > 0, mx.take(w, next_word, axis=-1) << next_shift, 0)
+    return ((low | high) & ((1 << bits) - 1)).reshape(*lead, W // bits * WORD)
+
+
+def channel_quantize(x: mx.array, bits: int, group: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Quantize ``(B, H, n·G, D)`` keys per channel over each group of ``G`` tokens, with ``mx.quantize``'s rule.
+
+    Returns:
+        ``(packed, scales, biases)``: packed codes ``(B, H, n·G, D·bits/32)`` per token row, and
+        ``(B, H, n, D)`` scales and biases per (group, channel).
+    """
+    B, H, N, D = x.shape
+    n = N // group
+    channels = x.reshape(B, H, n, group, D).swapaxes(-1, -2)  # B, H, n, D, G
+    packed, scales, biases = mx.quantize(channels, group_size=group, bits=bits)  # scales: B, H, n, D, 1
+    # mx.quantize packs each row's codes LSB first, as pack_codes does: unpack along tokens, repack along channels.
+    codes = unpack_codes(packed, bits).swapaxes(-1, -2).reshape(B, H, N, D)
+    return pack_codes(codes, bits), scales[..., 0], biases[..., 0]
+
+
+def channel_dequantize(packed: mx.array, rows: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.array:
+    """``(B, H, N, D)`` keys from packed codes ``(B, H, N, ·)``, their rows ``(B, H, N)`` and the ``(B, H, T, D)`` table."""
+    idx = rows.astype(mx.int32)[..., None]  # B, H, N, 1
+    s = mx.take_along_axis(scales, idx, axis=2)  # B, H, N, D
+    b = mx.take_along_axis(biases, idx, axis=2)
+    return unpack_codes(packed, bits).astype(scales.dtype) * s + b
+
+
+
+class ChannelStorage:
+    """Keys per channel over ``key_group`` tokens, values per token, the newest in 8 bits; see the module docstring.
+
+    Args:
+        kv_bits: ``(key bits, value bits)`` such as ``(5, 3)`` (or one number), key bits under 8.
+        kv_group_size: channels per value scale (and per 8-bit scale): 32, 64 or 128. Default 64.
+        full_precision_window: the newest tokens kept in 8 bits. Default 32.
+        key_group: tokens per key scale: 32, 64 or 128. Default 64.
+        kv_rotate: rotate values before quantizing (keys never). Default ``True``.
+        window_bits: must be 8 (the held tokens' bits); ``None`` means 8.
+    """
+
+    def __init__(
+        self,
+        kv_bits: KVBits = (5, 3),
+        kv_group_size: int = DEFAULT_GROUP_SIZE,
+        full_precision_window: int = 32,
+        key_group: int = 64,
+        kv_rotate: Optional[bool] = None,
+        window_bits: Optional[int] = HELD_BITS,
+    ):
+        window_bits = HELD_BITS if window_bits is None else window_bits
+        check(kv_bits, kv_group_size, full_precision_window, window_bits, key_group=key_group)
+        self.kv_bits = kv_bits if isinstance(kv_bits, int) else key_value_bits(kv_bits)
+        self.key_bits, self.value_bits = key_value_bits(kv_bits)
+        self.kv_group_size, self.full_precision_window, self.key_group = kv_group_size, full_precision_window, key_group
+        self.kv_rotate = True if kv_rotate is None else bool(kv_rotate)
+        self.window_bits = window_bits
+        self.keys: Optional[tuple[mx.array, ...]] = None  # (codes, rows, table scales, table biases)
+        self.values: Optional[tuple[mx.array, ...]] = None  # mx.quantize's (packed, scales, biases)
+        self.fp_keys: Optional[tuple[mx.array, ...]] = None  # the held tokens, 8 bits per token
+        self.fp_values: Optional[tuple[mx.array, ...]] = None
+        self.n_full = 0  # held tokens (newest slots): the window and the unfinished key group
+        self.compacted = False  # a compaction ran since the table was last collected
+
+    @property
+    def held(self) -> int:
+        """Slots of the 8-bit part: the window plus an unfinished key group (at most ``key_group - 1`` more)."""
+        return self.full_precision_window + self.key_group
+
+    protected = held  # the held tokens are never evicted (the cache keeps this many newest positions)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def check_budget(self, budget: int, others: int, window: int) -> None:
+        """Raise if the held tokens leave no room to evict (``others``: sinks + pinned + slack)."""
+        if budget <= others + self.held:
+            raise ValueError(
+                f"budget={budget} leaves no room to evict: sinks + pinned + slack + the {self.held} tokens held in "
+                f"8 bits (full_precision_window={self.full_precision_window} + key_group={self.key_group}) = "
+                f"{others + self.held}; raise --budget or lower --key-group"
+            )
+
+    # ---- layout ------------------------------------------------------------
+    def _per_token(self, B: int, H: int, C: int, D: int, dtype: mx.Dtype, bits: int) -> tuple[mx.array, ...]:
+        groups = D // self.kv_group_size
+        return (
+            mx.zeros((B, H, C, D * bits // WORD), mx.uint32),
+            mx.zeros((B, H, C, groups), dtype),
+            mx.zeros((B, H, C, groups), dtype),
+        )
+
+    def _quantized_capacity(self, capacity: int) -> int:
+        """Quantized slots: every slot but the window (the unfinished group's rows need them once it is complete)."""
+        return max(0, capacity - self.full_precision_window)
+
+    def allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype, capacity: int) -> None:
+        check(self.kv_bits, self.kv_group_size, head_dims=(D, Dv))
+        C = self._quantized_capacity(capacity)
+        table = mx.zeros((B, H, 0, D), dtype)
+        self.keys = (mx.zeros((B, H, C, D * self.key_bits // WORD), mx.uint32), mx.zeros((B, H, C), mx.uint16), table, table)
+        self.values = self._per_token(B, H, C, Dv, dtype, self.value_bits)
+        self.fp_keys = self._per_token(B, H, self.held, D, dtype, HELD_BITS)
+        self.fp_values = self._per_token(B, H, self.held, Dv, dtype, HELD_BITS)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, mx.Dtype]:
+        """``(B, H, D, Dv, dtype)`` of the keys and values as the model made them."""
+        B, H, _, groups = self.fp_keys[1].shape
+        return B, H, groups * self.kv_group_size, self.fp_values[1].shape[3] * self.kv_group_size, self.fp_keys[1].dtype
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(x.nbytes for part in (self.keys, self.values, self.fp_keys, self.fp_values) for x in part)
+
+    @property
+    def table_rows(self) -> int:
+        """Rows of the key scale table (the most live groups of any head)."""
+        return 0 if self.keys is None else self.keys[2].shape[2]
+
+    @property
+    def rotation(self) -> Optional[mx.array]:
+        """``None``: what :meth:`fetch` returns is not rotated (the values are rotated back when read)."""
+        return None
+
+    def _value_rotation(self, dtype: mx.Dtype) -> Optional[mx.array]:
+        return rotation_matrix(self.shape[3]).astype(dtype) if self.kv_rotate else None
+
+    def _held_dense(self, held: tuple[mx.array, ...], n: int) -> mx.array:
+        return mx.dequantize(*(x[..., :n, :] for x in held), group_size=self.kv_group_size, bits=HELD_BITS)
+
+    # ---- write and read ------------------------------------------------------
+    def write(self, keys: mx.array, values: mx.array, start: int) -> None:
+        """Append ``S`` tokens (slots from ``start``) in 8 bits; quantize every key group that left the window."""
+        if self.compacted:
+            self._collect(start - self.n_full)
+        S, n_held, G = keys.shape[2], self.n_full, self.key_group
+        fresh_k = mx.quantize(keys, group_size=self.kv_group_size, bits=HELD_BITS)
+        fresh_v = mx.quantize(values, group_size=self.kv_group_size, bits=HELD_BITS)
+        done = max(0, n_held + S - self.full_precision_window) // G * G  # held rows whose group is complete
+        if done:
+            self._store_groups(fresh_k, fresh_v, n_held, done, start - n_held)
+        for held, fresh in ((self.fp_keys, fresh_k), (self.fp_values, fresh_v)):
+            # The 8-bit rows that stay move to the front as they are (never quantized twice).
+            for x, f in zip(held, fresh):
+                rows = mx.concatenate([x[..., :n_held, :], f], axis=2)[..., done:, :]
+                x[..., : rows.shape[2], :] = rows
+        self.n_full = n_held + S - done
+
+    def _store_groups(self, fresh_k, fresh_v, n_held: int, done: int, slot: int) -> None:
+        """Quantize the oldest ``done`` held rows (whole key groups) into the slots from ``slot``."""
+        dense_k = mx.concatenate([self._held_dense(self.fp_keys, n_held), mx.dequantize(*fresh_k, group_size=self.kv_group_size, bits=HELD_BITS)], axis=2)[..., :done, :]  # fmt: skip
+        dense_v = mx.concatenate([self._held_dense(self.fp_values, n_held), mx.dequantize(*fresh_v, group_size=self.kv_group_size, bits=HELD_BITS)], axis=2)[..., :done, :]  # fmt: skip
+        codes, scales, biases = channel_quantize(dense_k, self.key_bits, self.key_group)  # B, H, done, ·
+        rows_k, table_s, table_b = self.keys[1:]
+        first = table_s.shape[2]
+        B, H = rows_k.shape[:2]
+        rows = (first + mx.arange(done) // self.key_group).astype(mx.uint16)
+        self.keys[0][..., slot : slot + done, :] = codes
+        rows_k[..., slot : slot + done] = mx.broadcast_to(rows, (B, H, done))
+        self.keys = (self.keys[0], rows_k, mx.concatenate([table_s, scales], axis=2), mx.concatenate([table_b, biases], axis=2))
+        rotation = self._value_rotation(dense_v.dtype)
+        if rotation is not None:
+            dense_v = dense_v @ rotation
+        for x, p in zip(self.values, mx.quantize(dense_v, group_size=self.kv_group_size, bits=self.value_bits)):
+            x[..., slot : slot + done, :] = p
+
+    def _collect(self, n_quant: int) -> None:
+        """Drop the table rows no kept slot uses (after a compaction); renumber the slots' rows."""
+        self.compacted = False
+        codes, rows, table_s, table_b = self.keys
+        T = table_s.shape[2]
+        if T == 0:
+            return
+        B, H, C = rows.shape
+        kept = mx.arange(C) < n_quant  # C
+        # Count each head's slots per row (dropped slots count in an extra row T), by one scatter-add.
+        idx = mx.where(kept, rows.astype(mx.int32), T) + (mx.arange(B * H) * (T + 1)).reshape(B, H, 1)
+        counts = mx.zeros((B * H * (T + 1),), mx.int32).at[idx.reshape(-1)].add(1)
+        live = counts.reshape(B, H, T + 1)[..., :T] > 0  # B, H, T
+        order = mx.argsort(mx.where(live, mx.arange(T), T + mx.arange(T)), axis=-1)  # live rows first, in order
+        n_live = int(live.sum(axis=-1).max().item())
+        renumber = (mx.cumsum(live.astype(mx.int32), axis=-1) - 1).astype(mx.uint16)  # B, H, T
+        order = order[..., :n_live, None]
+        new_rows = mx.take_along_axis(renumber, rows.astype(mx.int32), axis=-1)
+        self.keys = (
+            codes,
+            mx.where(kept, new_rows, 0).astype(mx.uint16),
+            mx.take_along_axis(table_s, order, axis=2),
+            mx.take_along_axis(table_b, order, axis=2),
+        )
+
+    def fetch(self, size: int) -> tuple[mx.array, mx.array]:
+        """The ``size`` kept entries dequantized, ``(B, H, size, D)`` keys and values (a transient copy)."""
+        n_quant = size - self.n_full
+        return self._dense(n_quant, True), self._dense(n_quant, False)
+
+    def _dense(self, n_quant: int, keys: bool) -> mx.array:
+        held = self._held_dense(self.fp_keys if keys else self.fp_values, self.n_full)
+        if n_quant == 0:
+            return held
+        if keys:
+            codes, rows, table_s, table_b = self.keys
+            old = channel_dequantize(codes[..., :n_quant, :], rows[..., :n_quant], table_s, table_b, self.key_bits)
+        else:
+            old = mx.dequantize(*(x[..., :n_quant, :] for x in self.values), group_size=self.kv_group_size, bits=self.value_bits)  # fmt: skip
+            rotation = self._value_rotation(old.dtype)
+            old = old if rotation is None else old @ rotation.T
+        return mx.concatenate([old.astype(held.dtype), held], axis=2)
+
+    def attend(self, queries, keys, values, scale, mask, sinks=None) -> None:
+        """``None``: :meth:`fetch` returned dense entries, the model's own attention reads them."""
+        return None
+
+    def slots(self) -> list[mx.array]:
+        """The per-slot arrays of the quantized part (the held tokens live apart and are always kept)."""
+        return [self.keys[0], self.keys[1], *self.values]
+
+    def set_slots(self, arrays: list[mx.array]) -> None:
+        self.keys = (arrays[0], arrays[1], *self.keys[2:])
+        self.values = tuple(arrays[2:5])
+        self.compacted = True
+
+    def resize(self, capacity: int) -> None:
+        C = self._quantized_capacity(capacity)
+        self.keys = (fit_slots(self.keys[0], C, 0), fit_slots(self.keys[1], C, 0), *self.keys[2:])
+        self.values = tuple(fit_slots(x, C, 0) for x in self.values)
+
+    def dense_keys(self, size: int, capacity: int) -> mx.array:
+        """``(B, H, C, D)`` keys in the model's dtype (a transient copy, for policies; zeros past ``size``)."""
+        keys = self._dense(size - self.n_full, True)
+        if capacity > size:
+            B, H, D, _, dtype = self.shape
+            keys = mx.concatenate([keys, mx.zeros((B, H, capacity - size, D), keys.dtype)], axis=2)
+        return keys
+
+    # ---- save / load ----------------------------------------------------------
+    @property
+    def state(self) -> tuple[Any, Any]:
+        if self.keys is None:
+            return None, None
+        return (*self.keys, *self.fp_keys), (*self.values, *self.fp_values)
+
+    @state.setter
+    def state(self, v: tuple[Any, Any]) -> None:
+        if v[0] is None:
+            return
+        self.keys, self.fp_keys = tuple(v[0][:4]), tuple(v[0][4:])
+        self.values, self.fp_values = tuple(v[1][:3]), tuple(v[1][3:])
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "kv_bits": self.kv_bits,
+            "kv_group_size": self.kv_group_size,
+            "full_precision_window": self.full_precision_window,
+            "key_group": self.key_group,
+            "n_full": self.n_full,
+            "kv_rotate": self.kv_rotate,
+            "window_bits": self.window_bits,
+            "compacted": self.compacted,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> ChannelStorage:
+        storage = cls(
+            kv_bits=meta["kv_bits"] if isinstance(meta["kv_bits"], int) else tuple(meta["kv_bits"]),
+            kv_group_size=meta["kv_group_size"],
+            full_precision_window=meta["full_precision_window"],
+            key_group=meta["key_group"],
+            kv_rotate=meta["kv_rotate"],
+            window_bits=meta["window_bits"],
+        )
+        storage.n_full, storage.compacted = meta["n_full"], meta["compacted"]
+        return storage
