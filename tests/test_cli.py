@@ -331,9 +331,10 @@ def test_plain_chat_with_a_memory_budget_keeps_its_storage_for_budget_changes(ca
     rc, _, err = cli(capsys, *args, stdin="\n".join(lines) + "\n")
     stats = [line for line in err.splitlines() if line.startswith("[")]
     assert rc == 0 and len(stats) == 2 and all("(5/3-bit)" in line for line in stats)
-    assert err.startswith("chatting with tiny32 (policy default, budget 499, KV in 5/3-bit); /help")
+    assert err.startswith("chatting with tiny32 (policy default, budget 408, KV in 5/3-bit KIVI-64); /help")
     capacities = [int(re.search(r"KV kept \d+/(\d+)", line).group(1)) for line in stats]
-    assert capacities[0] == (100_000 - 32 * 320) // 192 + 32 and capacities[1] == (60_000 - 32 * 320) // 192 + 32
+    # keys per channel: 184 B a token, the window (min(32, budget/8)) and a 64-token key group at 320 B
+    assert capacities[0] == (100_000 - 96 * 320) // 184 + 32 and capacities[1] == (60_000 - 87 * 320) // 184 + 23
 
 
 def test_plain_chat_budget_command_stores_as_the_budget_flag_does(capsys, tiny32):
@@ -343,7 +344,7 @@ def test_plain_chat_budget_command_stores_as_the_budget_flag_does(capsys, tiny32
     lines = ["/budget 100KB", "Hello there", "/quit"]
     rc, _, err = cli(capsys, "chat", tiny32, "--plain", "--budget", "64", "--max-tokens", "4", stdin="\n".join(lines) + "\n")
     stats = [line for line in err.splitlines() if line.startswith("[")]
-    assert rc == 0 and f"budget {flag['budget']} tokens, KV in 5/3-bit from the next turn" in err
+    assert rc == 0 and f"budget {flag['budget']} tokens, KV in 5/3-bit KIVI-64 from the next turn" in err
     assert len(stats) == 1 and re.search(rf"KV kept \d+/{flag['budget']},", stats[0]) and "(5/3-bit)" in stats[0]
 
 
