@@ -208,6 +208,9 @@ class ChannelStorage:
         return rotation_matrix(self.shape[3]).astype(dtype) if self.kv_rotate else None
 
     def _held_dense(self, held: tuple[mx.array, ...], n: int) -> mx.array:
+        if n == 0:  # mx.dequantize cannot take zero rows
+            B, H, _, groups = held[1].shape
+            return mx.zeros((B, H, 0, groups * self.kv_group_size), held[1].dtype)
         return mx.dequantize(*(x[..., :n, :] for x in held), group_size=self.kv_group_size, bits=HELD_BITS)
 
     # ---- write and read ------------------------------------------------------

@@ -55,8 +55,9 @@ def memory_storage(
     nothing is gained by fewer bits); else the same bits with keys quantized per channel
     over 64 tokens (KIVI, :mod:`mlxevict.channel_storage`), which the long-context
     suite's tuning half picked at 25% and 12.5% of a 16-bit cache's bytes
-    (docs/results/long/README.md). Ask for ``--kv-bits 5,3 --window-bits 8`` to keep
-    per-token keys. The dtype when no group size divides the head dim.
+    (docs/results/long/README.md), unless its 96 tokens held in 8 bits would take more
+    than half the budget (then per-token 5/3 bits). Ask for ``--kv-bits 5,3 --window-bits 8``
+    to keep per-token keys. The dtype when no group size divides the head dim.
 
     Args:
         request: a budget in memory or ``auto``.
@@ -68,10 +69,14 @@ def memory_storage(
     group = next((g for g in (DEFAULT_GROUP_SIZE, 32) if head_dim % g == 0), None)
     if group is None:
         return DTYPE
-    for storage in (DTYPE, KVStorage.of(8, group), KVStorage.of(SPLIT_BITS, group, window_bits=8)):
+    per_token = KVStorage.of(SPLIT_BITS, group, window_bits=8)
+    for storage in (DTYPE, KVStorage.of(8, group), per_token):
         if limit and budget_tokens(request, model_or_config, storage, available=available) >= limit:
             return storage
-    return KVStorage.of(SPLIT_BITS, group, window_bits=8, key_group=KEY_GROUP)
+    channel = KVStorage.of(SPLIT_BITS, group, window_bits=8, key_group=KEY_GROUP)
+    tokens = budget_tokens(request, model_or_config, channel, available=available)
+    # Its 8-bit window and unfinished key group (96 tokens) must leave room to evict: at most half the budget.
+    return channel if tokens >= 2 * (default_window(tokens) + KEY_GROUP) else per_token
 
 
 def protected_room(

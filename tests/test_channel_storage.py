@@ -62,7 +62,7 @@ def pair(model, budget_bytes: float, sinks: int = 4):
 
 @pytest.mark.parametrize(
     "entries, n, chunks",
-    [(1000, 300, [64] * 4 + [1] * 44), (250, 420, [32] * 8 + [1] * 164), (160, 300, [40, 7, 1, 1, 60] + [1] * 191)],
+    [(1000, 300, [64] * 4 + [1] * 44), (250, 420, [32] * 8 + [1] * 164), (160, 300, [40, 7, 1, 1, 60] + [1] * 191), (400, 300, [130] + [1] * 170)],
 )
 def test_logits_equal_the_simulated_kivi_k5v3(entries, n, chunks):
     """The strongest check: the same logits as benchmarks/storage_variants.py's kivi-k5v3, with and without eviction."""
@@ -185,6 +185,9 @@ def test_a_memory_budget_that_must_evict_picks_channel_keys_and_explicit_bits_ke
     picked = memory_storage(parse_budget(f"{per_token_all // 2}B"), model, 4096)
     assert picked.key_group == 64 and picked.kv_bits == (5, 3) and picked.window_bits == 8
     assert memory_storage(parse_budget(f"{per_token_all}B"), model, 4096).key_group is None  # holds everything
+    # 150 entries: the 96 tokens held in 8 bits would be more than half of them, so keys stay per token
+    small = storage_nbytes(model, 150, KVStorage.of((5, 3), D, window_bits=8, key_group=64))
+    assert memory_storage(parse_budget(f"{small}B"), model, 4096) == KVStorage.of((5, 3), D, window_bits=8)
     caches = make_cache(model, "default", f"{per_token_all // 2}B")
     assert isinstance(caches[0].storage, ChannelStorage)
     explicit = make_cache(model, "default", f"{per_token_all // 2}B", kv_bits=(5, 3), kv_group_size=D, window_bits=8)

@@ -496,8 +496,9 @@ def test_a_memory_budget_stores_keys_in_5_bits_values_in_3_and_holds_to_its_byte
         assert caches[bits]["nbytes"] <= 100_000, bits  # the window counted at its own size
     assert caches[None]["kv_bits"] == [5, 3] and caches["none"]["kv_bits"] is None
     assert caches["none"]["budget"] == 100_000 // 1024  # 2 layers x 2 kv-heads x 32 x 2 x float32
-    # keys 20 B + scale and bias 8, values 12 + 8: 192 B a token, the newest 32 in 8 bits (320 B)
-    assert caches[None]["budget"] == (100_000 - 32 * 320) // 192 + 32
+    # keys per channel: codes 20 B + row 2 + their share of the scale table 4, values 12 + scale and bias 8:
+    # 46 B a kv-head, 184 B a token; the newest 32 and a 64-token key group in 8 bits (320 B)
+    assert caches[None]["budget"] == (100_000 - 96 * 320) // 184 + 32
     # --kv-bits 4 keeps its window in full precision (1024 B), so fewer tokens fit than under the default
     assert caches["none"]["budget"] < caches["4"]["budget"] < caches[None]["budget"]
 

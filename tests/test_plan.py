@@ -83,7 +83,7 @@ def test_a_budget_in_memory_takes_the_storage_rule_in_every_caller():
     # asked-for storage wins; a budget in tokens stays in the dtype
     assert plan_cache(model, "100KB", KVStorage.of(8, 32)).storage == KVStorage.of(8, 32)
     assert plan_cache(model, 64).storage == DTYPE
-    with pytest.raises(MlxEvictError, match=r"--budget 10B holds no token of this model's KV \(184 bytes"):
+    with pytest.raises(MlxEvictError, match=r"--budget 10B holds no token of this model's KV \(192 bytes"):
         plan_cache(model, "10B")
     with pytest.raises(ValueError, match="kv_group_size=64 does not divide the head dim 32"):
         plan_cache(model, 64, KVStorage.of(8))
