@@ -25,9 +25,11 @@ A table row costs ``4·D`` bytes (16-bit scales) whether its group keeps 64
 entries or one: an eviction that leaves many groups thinly populated costs more
 than the budget's estimate (``key_group`` tokens per row), see docs/storage.md.
 
-Attention dequantizes a layer's keys and values into dense ``(B, H, N, D)``
-arrays (a transient copy, as the policies' ``dense_keys``) and leaves them to
-the model's own attention. This module reproduces
+Attention dequantizes a layer's keys into a dense ``(B, H, N, D)`` array (a
+transient copy, as the policies' ``dense_keys``); the quantized values are read
+by :func:`~mlxevict.quantized_attention.quantized_attention` in the rotated
+domain (a quantized matmul when decoding), the held values rotated to join them,
+and the output rotated back. This module reproduces
 ``benchmarks/storage_variants.py``'s simulated ``kivi-k5v3`` (fake quantization
 into a dense cache) with real storage, and is tested against it.
 """
@@ -41,6 +43,7 @@ import numpy as np
 
 from .dense_storage import fit_slots
 from .kvstorage import DEFAULT_GROUP_SIZE, KVBits, check, key_value_bits
+from .quantized_attention import quantized_attention
 from .rotation import rotation_matrix
 
 HELD_BITS = 8  # the window and the unfinished key group, per token
@@ -274,27 +277,35 @@ class ChannelStorage:
             mx.take_along_axis(table_b, order, axis=2),
         )
 
-    def fetch(self, size: int) -> tuple[mx.array, mx.array]:
-        """The ``size`` kept entries dequantized, ``(B, H, size, D)`` keys and values (a transient copy)."""
+    def fetch(self, size: int):
+        """What :meth:`attend` reads of the ``size`` kept entries: ``((quantized keys, held keys), (quantized
+        values, held values))``; keys and held values dequantized ``(B, H, ·, D)`` (transient copies), the
+        quantized values as stored (rotated ``mx.quantize`` triples)."""
         n_quant = size - self.n_full
-        return self._dense(n_quant, True), self._dense(n_quant, False)
+        values = tuple(x[..., :n_quant, :] for x in self.values), self._held_dense(self.fp_values, self.n_full)
+        return (self._quantized_keys(n_quant), self._held_dense(self.fp_keys, self.n_full)), values
 
-    def _dense(self, n_quant: int, keys: bool) -> mx.array:
-        held = self._held_dense(self.fp_keys if keys else self.fp_values, self.n_full)
+    def _quantized_keys(self, n_quant: int) -> mx.array:
+        codes, rows, table_s, table_b = self.keys
         if n_quant == 0:
-            return held
-        if keys:
-            codes, rows, table_s, table_b = self.keys
-            old = channel_dequantize(codes[..., :n_quant, :], rows[..., :n_quant], table_s, table_b, self.key_bits)
-        else:
-            old = mx.dequantize(*(x[..., :n_quant, :] for x in self.values), group_size=self.kv_group_size, bits=self.value_bits)  # fmt: skip
-            rotation = self._value_rotation(old.dtype)
-            old = old if rotation is None else old @ rotation.T
-        return mx.concatenate([old.astype(held.dtype), held], axis=2)
+            return table_s[..., :0, :]
+        return channel_dequantize(codes[..., :n_quant, :], rows[..., :n_quant], table_s, table_b, self.key_bits)
 
-    def attend(self, queries, keys, values, scale, mask, sinks=None) -> None:
-        """``None``: :meth:`fetch` returned dense entries, the model's own attention reads them."""
-        return None
+    def attend(self, queries, keys, values, scale, mask, sinks=None) -> mx.array:
+        """Attention over what :meth:`fetch` returned, one softmax; ``(B, H*G, L, Dv)`` (the patched attention calls this)."""
+        if sinks is not None:
+            raise ValueError("quantized KV storage does not support attention sinks; use kv_bits=None")
+        (q_values, held_v), rotation = values, self._value_rotation(queries.dtype)
+        if queries.shape[2] > 1:
+            # A prompt chunk: dense values (rotated back) and the model's fused attention.
+            dense = mx.dequantize(*q_values, group_size=self.kv_group_size, bits=self.value_bits) if q_values[0].shape[2] else held_v[..., :0, :]  # fmt: skip
+            dense = dense if rotation is None else dense @ rotation.T
+            dense_k, dense_v = mx.concatenate(keys, axis=2), mx.concatenate([dense, held_v], axis=2)
+            return mx.fast.scaled_dot_product_attention(queries, dense_k, dense_v, scale=scale, mask=mask)
+        # Decoding: a quantized matmul over the rotated values, the held ones rotated to join them.
+        values = q_values, held_v if rotation is None else held_v @ rotation
+        out = quantized_attention(queries, keys, values, scale, mask, group_size=self.kv_group_size, bits=self.kv_bits)
+        return out if rotation is None else out @ rotation.T  # the values were read as vR
 
     def slots(self) -> list[mx.array]:
         """The per-slot arrays of the quantized part (the held tokens live apart and are always kept)."""
@@ -312,11 +323,10 @@ class ChannelStorage:
 
     def dense_keys(self, size: int, capacity: int) -> mx.array:
         """``(B, H, C, D)`` keys in the model's dtype (a transient copy, for policies; zeros past ``size``)."""
-        keys = self._dense(size - self.n_full, True)
-        if capacity > size:
-            B, H, D, _, dtype = self.shape
-            keys = mx.concatenate([keys, mx.zeros((B, H, capacity - size, D), keys.dtype)], axis=2)
-        return keys
+        B, H, D, _, dtype = self.shape
+        held = self._held_dense(self.fp_keys, self.n_full)
+        parts = [self._quantized_keys(size - self.n_full).astype(held.dtype), held]
+        return mx.concatenate(parts + [mx.zeros((B, H, capacity - size, D), held.dtype)] * (capacity > size), axis=2)
 
     # ---- save / load ----------------------------------------------------------
     @property
