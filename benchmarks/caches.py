@@ -204,7 +204,8 @@ def kv_bytes_16bit(caches: Sequence[Any]) -> int:
 
 
 # ---- storage modes: "<policy>:q8" / ":q4" / ":q4w8" / ":k5v3w8" ---------------------------
-STORAGE_SUFFIXES = (":q8", ":q4", ":q4w8", ":k5v3w8", ":k5v3w8c64")  # :k5v3w8: keys in 5 bits, values in 3, the bytes of :q4w8; c64: keys per channel over 64 tokens
+# :k5v3w8: keys in 5 bits, values in 3, the bytes of :q4w8; :k5v3w8c64: keys per channel over 64 tokens (KIVI)
+STORAGE_SUFFIXES = (":q8", ":q4", ":q4w8", ":k5v3w8", ":k5v3w8c64")
 
 
 def split_storage(name: str) -> tuple[str, dict[str, Any]]:

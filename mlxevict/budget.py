@@ -138,7 +138,8 @@ def tokens_within(
     """
     tokens = max(0, nbytes) // max(1, bytes_per_token)
     # The window costs at most a few dozen tokens more.
-    while tokens > 0 and held_nbytes(tokens, bytes_per_token, window_bytes_per_token, full_precision_window, held_extra) > nbytes:
+    costs = (bytes_per_token, window_bytes_per_token, full_precision_window, held_extra)
+    while tokens > 0 and held_nbytes(tokens, *costs) > nbytes:
         tokens -= 1
     return tokens
 

@@ -57,7 +57,12 @@ def _layout(bits: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     spill = shift + bits > WORD  # the code continues in the next word
     next_word = np.minimum(word + 1, bits - 1)
     next_shift = np.where(spill, WORD - shift, 0)
-    return mx.array(word), mx.array(shift.astype(np.uint32)), mx.array(next_word), mx.array(next_shift.astype(np.uint32))
+    return (
+        mx.array(word),
+        mx.array(shift.astype(np.uint32)),
+        mx.array(next_word),
+        mx.array(next_shift.astype(np.uint32)),
+    )
 
 
 def pack_codes(codes: mx.array, bits: int) -> mx.array:
@@ -101,12 +106,12 @@ def channel_quantize(x: mx.array, bits: int, group: int) -> tuple[mx.array, mx.a
 
 
 def channel_dequantize(packed: mx.array, rows: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.array:
-    """``(B, H, N, D)`` keys from packed codes ``(B, H, N, ·)``, their rows ``(B, H, N)`` and the ``(B, H, T, D)`` table."""
+    """``(B, H, N, D)`` keys from packed codes ``(B, H, N, ·)``, their rows ``(B, H, N)`` and the table's
+    ``(B, H, T, D)`` scales and biases."""
     idx = rows.astype(mx.int32)[..., None]  # B, H, N, 1
     s = mx.take_along_axis(scales, idx, axis=2)  # B, H, N, D
     b = mx.take_along_axis(biases, idx, axis=2)
     return unpack_codes(packed, bits).astype(scales.dtype) * s + b
-
 
 
 class ChannelStorage:
@@ -180,7 +185,12 @@ class ChannelStorage:
         check(self.kv_bits, self.kv_group_size, head_dims=(D, Dv))
         C = self._quantized_capacity(capacity)
         table = mx.zeros((B, H, 0, D), dtype)
-        self.keys = (mx.zeros((B, H, C, D * self.key_bits // WORD), mx.uint32), mx.zeros((B, H, C), mx.uint16), table, table)
+        self.keys = (
+            mx.zeros((B, H, C, D * self.key_bits // WORD), mx.uint32),
+            mx.zeros((B, H, C), mx.uint16),
+            table,
+            table,
+        )
         self.values = self._per_token(B, H, C, Dv, dtype, self.value_bits)
         self.fp_keys = self._per_token(B, H, self.held, D, dtype, HELD_BITS)
         self.fp_values = self._per_token(B, H, self.held, Dv, dtype, HELD_BITS)
@@ -236,8 +246,8 @@ class ChannelStorage:
 
     def _store_groups(self, fresh_k, fresh_v, n_held: int, done: int, slot: int) -> None:
         """Quantize the oldest ``done`` held rows (whole key groups) into the slots from ``slot``."""
-        dense_k = mx.concatenate([self._held_dense(self.fp_keys, n_held), mx.dequantize(*fresh_k, group_size=self.kv_group_size, bits=HELD_BITS)], axis=2)[..., :done, :]  # fmt: skip
-        dense_v = mx.concatenate([self._held_dense(self.fp_values, n_held), mx.dequantize(*fresh_v, group_size=self.kv_group_size, bits=HELD_BITS)], axis=2)[..., :done, :]  # fmt: skip
+        dense_k = self._oldest(self.fp_keys, fresh_k, n_held, done)
+        dense_v = self._oldest(self.fp_values, fresh_v, n_held, done)
         codes, scales, biases = channel_quantize(dense_k, self.key_bits, self.key_group)  # B, H, done, ·
         rows_k, table_s, table_b = self.keys[1:]
         first = table_s.shape[2]
@@ -245,12 +255,22 @@ class ChannelStorage:
         rows = (first + mx.arange(done) // self.key_group).astype(mx.uint16)
         self.keys[0][..., slot : slot + done, :] = codes
         rows_k[..., slot : slot + done] = mx.broadcast_to(rows, (B, H, done))
-        self.keys = (self.keys[0], rows_k, mx.concatenate([table_s, scales], axis=2), mx.concatenate([table_b, biases], axis=2))
+        self.keys = (
+            self.keys[0],
+            rows_k,
+            mx.concatenate([table_s, scales], axis=2),
+            mx.concatenate([table_b, biases], axis=2),
+        )
         rotation = self._value_rotation(dense_v.dtype)
         if rotation is not None:
             dense_v = dense_v @ rotation
         for x, p in zip(self.values, mx.quantize(dense_v, group_size=self.kv_group_size, bits=self.value_bits)):
             x[..., slot : slot + done, :] = p
+
+    def _oldest(self, held: tuple[mx.array, ...], fresh: list[mx.array], n_held: int, done: int) -> mx.array:
+        """The oldest ``done`` of the ``n_held`` held rows followed by the fresh ones, dequantized."""
+        fresh_rows = mx.dequantize(*fresh, group_size=self.kv_group_size, bits=HELD_BITS)
+        return mx.concatenate([self._held_dense(held, n_held), fresh_rows], axis=2)[..., :done, :]
 
     def _collect(self, n_quant: int) -> None:
         """Drop the table rows no kept slot uses (after a compaction); renumber the slots' rows."""
@@ -292,13 +312,16 @@ class ChannelStorage:
         return channel_dequantize(codes[..., :n_quant, :], rows[..., :n_quant], table_s, table_b, self.key_bits)
 
     def attend(self, queries, keys, values, scale, mask, sinks=None) -> mx.array:
-        """Attention over what :meth:`fetch` returned, one softmax; ``(B, H*G, L, Dv)`` (the patched attention calls this)."""
+        """Attention over what :meth:`fetch` returned, one softmax: ``(B, H*G, L, Dv)`` (the patched attention
+        calls this)."""
         if sinks is not None:
             raise ValueError("quantized KV storage does not support attention sinks; use kv_bits=None")
         (q_values, held_v), rotation = values, self._value_rotation(queries.dtype)
         if queries.shape[2] > 1:
             # A prompt chunk: dense values (rotated back) and the model's fused attention.
-            dense = mx.dequantize(*q_values, group_size=self.kv_group_size, bits=self.value_bits) if q_values[0].shape[2] else held_v[..., :0, :]  # fmt: skip
+            dense = held_v[..., :0, :]
+            if q_values[0].shape[2]:  # (mx.dequantize cannot take zero rows)
+                dense = mx.dequantize(*q_values, group_size=self.kv_group_size, bits=self.value_bits)
             dense = dense if rotation is None else dense @ rotation.T
             dense_k, dense_v = mx.concatenate(keys, axis=2), mx.concatenate([dense, held_v], axis=2)
             return mx.fast.scaled_dot_product_attention(queries, dense_k, dense_v, scale=scale, mask=mask)

@@ -128,7 +128,8 @@ def check(
             raise ValueError(f"{_spell(names, 'key_group', key_group)} is not supported; use 32, 64 or 128 tokens")
         needs = []
         if kv_bits is None or key_value_bits(kv_bits)[0] >= 8:
-            needs.append("key bits under 8" + ("" if kv_bits is None else f" (not {_spell(names, 'kv_bits', kv_bits)})"))
+            given = "" if kv_bits is None else f" (not {_spell(names, 'kv_bits', kv_bits)})"
+            needs.append(f"key bits under 8{given}")
         if window_bits is None:
             needs.append(_spell(names, "window_bits", 8))
         if needs:
@@ -185,7 +186,8 @@ class KVStorage:
         if (self.key_bits is None) != (self.value_bits is None):
             raise ValueError(f"key_bits={self.key_bits} and value_bits={self.value_bits}: give both, or neither")
         bits = self.kv_bits
-        check(bits, self.group_size if bits else None, self.full_precision_window, self.window_bits, key_group=self.key_group)
+        group = self.group_size if bits else None
+        check(bits, group, self.full_precision_window, self.window_bits, key_group=self.key_group)
         if bits is None:
             object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE)  # unused: one value for "the dtype"
 
@@ -205,9 +207,8 @@ class KVStorage:
         """From ``make_cache``'s storage arguments (``names=FLAGS``: the CLI's values, errors name flags)."""
         check(kv_bits, group_size, full_precision_window, window_bits, key_group=key_group, names=names)
         key_bits, value_bits = (None, None) if kv_bits is None else key_value_bits(kv_bits)
-        return cls(
-            key_bits, value_bits, group_size or DEFAULT_GROUP_SIZE, window_bits, full_precision_window, rotate, key_group
-        )
+        group = group_size or DEFAULT_GROUP_SIZE
+        return cls(key_bits, value_bits, group, window_bits, full_precision_window, rotate, key_group)
 
     @classmethod
     def from_options(cls, **options: Any) -> "KVStorage":
@@ -234,7 +235,8 @@ class KVStorage:
         key_group: Optional[int] = None,
     ) -> "KVStorage":
         """From the flags: ``--kv-bits`` text (``8``, ``4``, ``5,3`` or ``none``) and the others' values."""
-        return cls.of(parse_bits(text), group_size, full_precision_window, window_bits, key_group=key_group, names=FLAGS)
+        bits = parse_bits(text)
+        return cls.of(bits, group_size, full_precision_window, window_bits, key_group=key_group, names=FLAGS)
 
     @classmethod
     def from_suffix(cls, suffix: str) -> "KVStorage":
@@ -254,7 +256,8 @@ class KVStorage:
                 bits = (int(key), int(value))
             return cls.of(bits, window_bits=window, key_group=int(channel) if channel else None)
         except ValueError:
-            raise ValueError(f"{suffix!r} is not a storage suffix; use :q8, :q4, :q4w8, :k5v3w8 or :k5v3w8c64") from None
+            known = ":q8, :q4, :q4w8, :k5v3w8 or :k5v3w8c64"
+            raise ValueError(f"{suffix!r} is not a storage suffix; use {known}") from None
 
     # ---- reading it --------------------------------------------------------------------------------
     @property

@@ -90,7 +90,10 @@ def make_cache(
     options: dict[str, Any] = dict(sinks=sinks, window=window, slack=slack, prompt_mode=prompt_mode, pinned=pinned)
     budget = plan.tokens
     if storage.key_group:
-        caches = [EvictingKVCache(policy, budget, storage=channel_storage(storage, budget), **options, **policy_kwargs) for _ in model.layers]  # fmt: skip
+        caches = [
+            EvictingKVCache(policy, budget, storage=channel_storage(storage, budget), **options, **policy_kwargs)
+            for _ in model.layers
+        ]
     else:
         options.update(storage.options())
         caches = [cls(policy, budget, **options, **policy_kwargs) for _ in model.layers]
@@ -104,7 +107,8 @@ def make_cache(
 def channel_storage(storage: KVStorage, budget: int) -> ChannelStorage:
     """A fresh :class:`ChannelStorage` for ``storage`` (keys per channel) and a cache of ``budget`` entries."""
     window = default_window(budget) if storage.full_precision_window is None else storage.full_precision_window
-    return ChannelStorage(storage.kv_bits, storage.group_size, window, storage.key_group, storage.rotate, storage.window_bits)
+    s = storage
+    return ChannelStorage(s.kv_bits, s.group_size, window, s.key_group, s.rotate, s.window_bits)
 
 
 def pin(caches: Sequence[EvictingKVCache], start: int, end: int) -> None:

@@ -35,7 +35,9 @@ def test_codes_pack_as_mx_quantize_packs_them(bits):
     assert int(codes.max().item()) < 2**bits
     assert mx.array_equal(pack_codes(codes, bits), packed).item()
     ours = codes.reshape(2, 3, 2, 64).astype(mx.float32) * scales[..., None] + biases[..., None]
-    assert mx.array_equal(ours.reshape(2, 3, 128), mx.dequantize(packed, scales, biases, group_size=64, bits=bits)).item()
+    assert mx.array_equal(
+        ours.reshape(2, 3, 128), mx.dequantize(packed, scales, biases, group_size=64, bits=bits)
+    ).item()
 
 
 def test_channel_quantize_equals_the_simulated_fake_quantization():
@@ -51,18 +53,28 @@ def test_channel_quantize_equals_the_simulated_fake_quantization():
 
 def pair(model, budget_bytes: float, sinks: int = 4):
     """The simulation (with the product's rotation) and the real storage, at the simulation's budget in entries."""
-    sim = [sv.SimulatedStorageCache(sv.VARIANTS["kivi-k5v3"], budget_bytes, D, "default", sinks=sinks) for _ in model.layers]
+    sim = [
+        sv.SimulatedStorageCache(sv.VARIANTS["kivi-k5v3"], budget_bytes, D, "default", sinks=sinks)
+        for _ in model.layers
+    ]
     for c in sim:
         c.storage.rotation = rotation_matrix(D)  # the simulation's plain Hadamard lacks the product's random signs
     budget = sim[0].budget
-    real = [EvictingKVCache("default", budget, sinks=sinks, storage=ChannelStorage((5, 3), D, 32, 64)) for _ in model.layers]
+    real = [
+        EvictingKVCache("default", budget, sinks=sinks, storage=ChannelStorage((5, 3), D, 32, 64)) for _ in model.layers
+    ]
     mlxevict.patch(model)
     return sim, real
 
 
 @pytest.mark.parametrize(
     "entries, n, chunks",
-    [(1000, 300, [64] * 4 + [1] * 44), (250, 420, [32] * 8 + [1] * 164), (160, 300, [40, 7, 2, 2, 60] + [3] * 63), (400, 300, [130] + [1] * 170)],
+    [
+        (1000, 300, [64] * 4 + [1] * 44),
+        (250, 420, [32] * 8 + [1] * 164),
+        (160, 300, [40, 7, 2, 2, 60] + [3] * 63),
+        (400, 300, [130] + [1] * 170),
+    ],
 )
 def test_logits_equal_the_simulated_kivi_k5v3(entries, n, chunks):
     """The strongest check: the same logits as benchmarks/storage_variants.py's kivi-k5v3, with and without eviction.
@@ -100,7 +112,11 @@ def test_attention_equals_attention_over_the_dequantized_entries(mask):
     assert mx.allclose(c.dense_keys[..., : c.size(), :], keys).item()
     L = 1 if mask is None else 5
     queries = mx.random.normal((1, 4, L, D), key=mx.random.key(7))
-    m = mx.arange(keys.shape[2] - L, keys.shape[2])[:, None] >= mx.arange(keys.shape[2])[None] if mask == "array" else mask
+    m = (
+        mx.arange(keys.shape[2] - L, keys.shape[2])[:, None] >= mx.arange(keys.shape[2])[None]
+        if mask == "array"
+        else mask
+    )
     got = storage.attend(queries, (q_keys, held_keys), (q_values, held_values), D**-0.5, m)
     expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=D**-0.5, mask=m)
     assert mx.allclose(got, expected, atol=1e-5).item()
@@ -127,7 +143,9 @@ def test_the_table_holds_the_live_groups_only(policy):
 
 def test_bytes_are_the_arrays_held_and_never_above_a_full_cache():
     model = model64()
-    plan = plan_cache(model, 200, KVStorage.of(**{"kv_bits": (5, 3), "group_size": D, "window_bits": 8, "key_group": 64}))
+    plan = plan_cache(
+        model, 200, KVStorage.of(**{"kv_bits": (5, 3), "group_size": D, "window_bits": 8, "key_group": 64})
+    )
     caches = make_cache(model, "window", plan.tokens, **KIVI)
     tokens = random_tokens(600)
     for i in range(0, 600, 25):
@@ -153,7 +171,10 @@ def test_save_and_load_continue_identically(policy, tmp_path):
     save_prompt_cache(path, caches)
     loaded = load_prompt_cache(path)
     assert all(type(c) is EvictingKVCache and isinstance(c.storage, ChannelStorage) for c in loaded)
-    assert loaded[0].storage.table_rows == caches[0].storage.table_rows and loaded[0].storage.n_full == caches[0].storage.n_full
+    assert (
+        loaded[0].storage.table_rows == caches[0].storage.table_rows
+        and loaded[0].storage.n_full == caches[0].storage.n_full
+    )
     rest = [1] * 50
     expected = run_chunks(model, caches, tokens[350:], rest)
     got = run_chunks(model, loaded, tokens[350:], rest)
@@ -163,7 +184,10 @@ def test_save_and_load_continue_identically(policy, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(kv_bits=(5, 3), key_group=64), r"key_group=64 needs window_bits=8, such as kv_bits=\(5, 3\) window_bits=8"),
+        (
+            dict(kv_bits=(5, 3), key_group=64),
+            r"key_group=64 needs window_bits=8, such as kv_bits=\(5, 3\) window_bits=8",
+        ),
         (dict(kv_bits=8, key_group=64), r"key_group=64 needs key bits under 8 \(not kv_bits=8\) and window_bits=8"),
         (dict(key_group=64), "key_group=64 needs key bits under 8"),
         (dict(kv_bits=(5, 3), window_bits=8, key_group=48), "key_group=48 is not supported; use 32, 64 or 128"),
@@ -176,14 +200,20 @@ def test_bad_combinations_are_one_line_errors(kwargs, message):
 
 
 def test_flags_spell_the_same_rule():
-    with pytest.raises(ValueError, match=r"--key-group 64 needs key bits under 8 \(not --kv-bits 8\) and --window-bits 8") as err:
+    with pytest.raises(
+        ValueError, match=r"--key-group 64 needs key bits under 8 \(not --kv-bits 8\) and --window-bits 8"
+    ) as err:
         KVStorage.parse("8", key_group=64, window_bits=None)
     assert "--kv-bits 5,3 --window-bits 8" in str(err.value)
 
 
 def test_spellings_round_trip():
     s = KVStorage.of((5, 3), window_bits=8, key_group=64)
-    assert (s.label, s.flags, s.suffix) == ("5/3-bit KIVI-64", "--kv-bits 5,3 --window-bits 8 --key-group 64", ":k5v3w8c64")
+    assert (s.label, s.flags, s.suffix) == (
+        "5/3-bit KIVI-64",
+        "--kv-bits 5,3 --window-bits 8 --key-group 64",
+        ":k5v3w8c64",
+    )
     assert KVStorage.from_suffix(":k5v3w8c64") == KVStorage.parse("5,3", window_bits=8, key_group=64) == s
     assert KVStorage.from_options(**s.options()) == s
     assert s.bytes_per_token(head_dim=64, dtype_size=2) == 40 + 2 + 4 + 28  # codes, row, table share, values
