@@ -42,11 +42,13 @@ import mlx.core as mx
 import numpy as np
 
 from .dense_storage import fit_slots
-from .kvstorage import DEFAULT_GROUP_SIZE, KVBits, check, key_value_bits
+from .kernels import PROTECTED
+from .kvstorage import DEFAULT_GROUP_SIZE, ROW_RESERVE, KVBits, check, key_value_bits
 from .quantized_attention import quantized_attention
 from .rotation import rotation_matrix
 
 HELD_BITS = 8  # the window and the unfinished key group, per token
+DEMOTED = -1e30  # keep-priority of a slot whose group is over the table's rows: above empty slots, below all else
 WORD = 32  # bits per packed word
 
 
@@ -329,6 +331,44 @@ class ChannelStorage:
         values = q_values, held_v if rotation is None else held_v @ rotation
         out = quantized_attention(queries, keys, values, scale, mask, group_size=self.kv_group_size, bits=self.kv_bits)
         return out if rotation is None else out @ rotation.T  # the values were read as vR
+
+    @property
+    def max_rows(self) -> int:
+        """Table rows this storage may hold: one per ``key_group`` quantized slots, plus ``ROW_RESERVE``."""
+        return self.keys[0].shape[2] // self.key_group + ROW_RESERVE
+
+    def limit_groups(self, rank_key: mx.array, n_keep: int, size: int) -> tuple[mx.array, int]:
+        """Bound the table: keep at most ``max_rows`` key groups (less those that may complete before the next
+        eviction), the groups with the best entries; the others' slots go first.
+
+        Without it, an eviction that leaves one entry in each of many groups would keep a table row (``4·D``
+        bytes) for each of them, past the budget's bytes. The protected slots' groups always stay.
+
+        Args:
+            rank_key: ``(B, H, C)`` the cache's keep-priority (:func:`mlxevict.kernels.priority`).
+            n_keep: slots the eviction keeps; size: slots held now.
+
+        Returns:
+            ``rank_key`` with the slots of the groups over the bound at :data:`DEMOTED`, and ``n_keep``, fewer
+            when the groups kept hold fewer entries (every head keeps as many as the poorest can).
+        """
+        T, n_quant = self.table_rows, size - self.n_full
+        capacity = self.keys[0].shape[2] + self.full_precision_window
+        pending = 1 + max(0, capacity - n_keep) // self.key_group  # groups that complete before the next eviction
+        allowed = max(1, self.max_rows - pending)
+        if T <= allowed or n_quant <= 0:
+            return rank_key, n_keep
+        B, H, _ = rank_key.shape
+        rows = self.keys[1][..., :n_quant].astype(mx.int32)  # B, H, n
+        values = rank_key[..., :n_quant]
+        flat = (rows + (mx.arange(B * H) * T).reshape(B, H, 1)).reshape(-1)
+        best = mx.full((B * H * T,), 2 * DEMOTED, mx.float32).at[flat].maximum(values.reshape(-1)).reshape(B, H, T)
+        order = mx.argsort(-best, axis=-1)  # B, H, T: best group first
+        top = mx.argsort(order, axis=-1) < allowed  # B, H, T
+        kept = mx.take_along_axis(top, rows, axis=-1)  # B, H, n
+        kept = kept | (values >= PROTECTED)  # sinks and pins stay, whatever the table costs
+        rank_key = mx.concatenate([mx.where(kept, values, DEMOTED), rank_key[..., n_quant:]], axis=-1)
+        return rank_key, min(n_keep, int((rank_key > DEMOTED).sum(axis=-1).min().item()))
 
     def slots(self) -> list[mx.array]:
         """The per-slot arrays of the quantized part (the held tokens live apart and are always kept)."""

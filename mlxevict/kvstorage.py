@@ -25,6 +25,7 @@ GROUP_SIZES = (32, 64, 128)  # what mx.quantize supports
 WINDOW_BITS = (8,)
 KEY_GROUPS = (32, 64, 128)  # tokens per key scale for keys quantized per channel (KIVI); mx.quantize's group sizes
 ROW_ID_BYTES = 2  # a per-channel key's uint16 row in its storage's scale table
+ROW_RESERVE = 2  # scale-table rows beyond one per key group of slots (the sinks' group, groups cut by eviction)
 NONE = "none"  # --kv-bits none: the model's dtype
 
 # The two spellings of the storage's parameters: make_cache's arguments and the CLI's flags.
@@ -345,6 +346,10 @@ class KVStorage:
         if not self.quantized:
             return None
         return 2 * storage_bytes(head_dim, dtype_size, self.window_bits, self.group_size)
+
+    def fixed_bytes(self, head_dim: int, dtype_size: int) -> int:
+        """Bytes per layer and kv-head whatever the tokens: keys per channel reserve ``ROW_RESERVE`` table rows."""
+        return ROW_RESERVE * 2 * head_dim * dtype_size if self.key_group else 0
 
     @property
     def held_extra(self) -> int:
