@@ -339,7 +339,7 @@ class EvictingKVCache(_BaseCache):
         rank_key = priority_compiled(
             self.policy.score(self), self.positions, mx.array(self.offset), self.sinks, self.protected_window, pinned
         )
-        rank_key, n_keep = self.storage.limit_groups(rank_key, n_keep, self._size)  # a storage's own bound
+        rank_key, n_keep = self.storage.limit_groups(rank_key, n_keep, self._size, self.budget)  # storage's bound
         self._set_slots(compact_compiled(rank_key, mx.array(n_keep), self._slots()))
         self.evictions += 1
         self._size = n_keep

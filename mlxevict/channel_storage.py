@@ -332,12 +332,12 @@ class ChannelStorage:
         out = quantized_attention(queries, keys, values, scale, mask, group_size=self.kv_group_size, bits=self.kv_bits)
         return out if rotation is None else out @ rotation.T  # the values were read as vR
 
-    @property
-    def max_rows(self) -> int:
-        """Table rows this storage may hold: one per ``key_group`` quantized slots, plus ``ROW_RESERVE``."""
-        return self.keys[0].shape[2] // self.key_group + ROW_RESERVE
+    def max_rows(self, budget: int) -> int:
+        """Table rows a cache of ``budget`` entries may hold: one per ``key_group`` quantized slots, plus
+        ``ROW_RESERVE``."""
+        return self._quantized_capacity(budget) // self.key_group + ROW_RESERVE
 
-    def limit_groups(self, rank_key: mx.array, n_keep: int, size: int) -> tuple[mx.array, int]:
+    def limit_groups(self, rank_key: mx.array, n_keep: int, size: int, budget: int) -> tuple[mx.array, int]:
         """Bound the table: keep at most ``max_rows`` key groups (less those that may complete before the next
         eviction), the groups with the best entries; the others' slots go first.
 
@@ -346,16 +346,16 @@ class ChannelStorage:
 
         Args:
             rank_key: ``(B, H, C)`` the cache's keep-priority (:func:`mlxevict.kernels.priority`).
-            n_keep: slots the eviction keeps; size: slots held now.
+            n_keep: slots the eviction keeps; size: slots held now; budget: the cache's (its capacity once it
+                evicts; a compress-mode prompt is held in more until it is compressed).
 
         Returns:
             ``rank_key`` with the slots of the groups over the bound at :data:`DEMOTED`, and ``n_keep``, fewer
             when the groups kept hold fewer entries (every head keeps as many as the poorest can).
         """
         T, n_quant = self.table_rows, size - self.n_full
-        capacity = self.keys[0].shape[2] + self.full_precision_window
-        pending = 1 + max(0, capacity - n_keep) // self.key_group  # groups that complete before the next eviction
-        allowed = max(1, self.max_rows - pending)
+        pending = 1 + max(0, budget - n_keep) // self.key_group  # groups that complete before the next eviction
+        allowed = max(1, self.max_rows(budget) - pending)
         if T <= allowed or n_quant <= 0:
             return rank_key, n_keep
         B, H, _ = rank_key.shape

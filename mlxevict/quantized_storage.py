@@ -188,7 +188,7 @@ class QuantizedStorage:
             rotation=self.rotation, window_bits=self.window_bits,
         )  # fmt: skip
 
-    def limit_groups(self, rank_key: mx.array, n_keep: int, size: int) -> tuple[mx.array, int]:
+    def limit_groups(self, rank_key: mx.array, n_keep: int, size: int, budget: int) -> tuple[mx.array, int]:
         """The cache's ``(B, H, C)`` keep-priority and ``n_keep`` as they are: any set of slots can be kept."""
         return rank_key, n_keep
 

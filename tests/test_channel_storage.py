@@ -153,8 +153,18 @@ def test_bytes_are_the_arrays_held_and_never_above_the_budget_or_a_full_cache(po
         stats, s = cache_stats(caches), caches[0].storage
         assert s.nbytes == sum(x.nbytes for part in (s.keys, s.values, s.fp_keys, s.fp_values) for x in part)
         assert stats.nbytes <= plan.nbytes(model) and stats.nbytes <= stats.full_nbytes
-        assert max(c.storage.table_rows for c in caches) <= s.max_rows
+        assert max(c.storage.table_rows for c in caches) <= s.max_rows(plan.tokens)
     assert caches[0].evictions > 0
+
+
+def test_a_compressed_prompt_holds_the_budget_once_decoding_starts():
+    model = model64(layers=1)
+    plan = plan_cache(model, 200, KVStorage.of((5, 3), D, window_bits=8, key_group=64))
+    caches = make_cache(model, "snapkv", plan.tokens, prompt_mode="compress", **KIVI)
+    logits = run_chunks(model, caches, random_tokens(700), [600] + [1] * 100)
+    s = caches[0].storage
+    assert caches[0].capacity == plan.tokens and s.table_rows <= s.max_rows(plan.tokens)
+    assert cache_stats(caches).nbytes <= plan.nbytes(model) and mx.isfinite(logits).all().item()
 
 
 @pytest.mark.parametrize("policy", ["default", "knorm"])
