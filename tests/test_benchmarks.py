@@ -111,7 +111,7 @@ def test_parse_names_keeps_the_reference_and_rejects_unknown_names():
     assert bcaches.parse_names("rkv,window")[0] == "kvcache"
     assert "default" not in bcaches.parse_names("all")
     storage = [n for n in bcaches.parse_names("all", storage=True) if n not in bcaches.parse_names("all")]
-    assert storage == [f"{mlxevict.DEFAULT_POLICY}{s}" for s in (":q8", ":q4", ":q4w8", ":k5v3w8", ":k5v3w8c64")]
+    assert storage == [f"{mlxevict.DEFAULT_POLICY}{s}" for s in (":q8", ":q4", ":q4w8", ":k5v3w8")]
     with pytest.raises(ValueError, match="unknown cache or policy nope"):
         bcaches.parse_names("rkv,nope")
 
