@@ -126,6 +126,8 @@ class ChannelStorage:
         key_group: tokens per key scale: 32, 64 or 128. Default 64.
         kv_rotate: rotate values before quantizing (keys never). Default ``True``.
         window_bits: must be 8 (the held tokens' bits); ``None`` means 8.
+        rotate_held: store the 8-bit rows rotated too (with ``kv_rotate``). Default ``True``; ``False`` holds
+            them as ``benchmarks/storage_variants.py``'s ``kivi-k5v3`` does.
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class ChannelStorage:
         key_group: int = 64,
         kv_rotate: Optional[bool] = None,
         window_bits: Optional[int] = HELD_BITS,
+        rotate_held: bool = True,
     ):
         window_bits = HELD_BITS if window_bits is None else window_bits
         check(kv_bits, kv_group_size, full_precision_window, window_bits, key_group=key_group)
@@ -143,6 +146,9 @@ class ChannelStorage:
         self.key_bits, self.value_bits = key_value_bits(kv_bits)
         self.kv_group_size, self.full_precision_window, self.key_group = kv_group_size, full_precision_window, key_group
         self.kv_rotate = True if kv_rotate is None else bool(kv_rotate)
+        # The 8-bit rows rotated too: a key's outlier channels would make its per-token 8-bit groups coarse
+        # (on SmolLM2 an unrotated 8-bit window alone changed a short answer). False: as the simulation.
+        self.rotate_held = self.kv_rotate and bool(rotate_held)
         self.window_bits = window_bits
         self.keys: Optional[tuple[mx.array, ...]] = None  # (codes, rows, table scales, table biases)
         self.values: Optional[tuple[mx.array, ...]] = None  # mx.quantize's (packed, scales, biases)
@@ -222,6 +228,11 @@ class ChannelStorage:
     def _value_rotation(self, dtype: mx.Dtype) -> Optional[mx.array]:
         return rotation_matrix(self.shape[3]).astype(dtype) if self.kv_rotate else None
 
+    def _held_keys(self, n: int) -> mx.array:
+        """The newest ``n`` held keys, dequantized and unrotated."""
+        keys = self._held_dense(self.fp_keys, n)
+        return keys @ self._value_rotation(keys.dtype).T if self.rotate_held else keys
+
     def _held_dense(self, held: tuple[mx.array, ...], n: int) -> mx.array:
         if n == 0:  # mx.dequantize cannot take zero rows
             B, H, _, groups = held[1].shape
@@ -234,6 +245,9 @@ class ChannelStorage:
         if self.compacted:
             self._collect(start - self.n_full)
         S, n_held, G = keys.shape[2], self.n_full, self.key_group
+        if self.rotate_held:
+            rotation = self._value_rotation(keys.dtype)
+            keys, values = keys @ rotation, values @ rotation
         fresh_k = mx.quantize(keys, group_size=self.kv_group_size, bits=HELD_BITS)
         fresh_v = mx.quantize(values, group_size=self.kv_group_size, bits=HELD_BITS)
         done = max(0, n_held + S - self.full_precision_window) // G * G  # held rows whose group is complete
@@ -249,6 +263,8 @@ class ChannelStorage:
     def _store_groups(self, fresh_k, fresh_v, n_held: int, done: int, slot: int) -> None:
         """Quantize the oldest ``done`` held rows (whole key groups) into the slots from ``slot``."""
         dense_k = self._oldest(self.fp_keys, fresh_k, n_held, done)
+        if self.rotate_held:  # keys are quantized per channel unrotated
+            dense_k = dense_k @ self._value_rotation(dense_k.dtype).T
         dense_v = self._oldest(self.fp_values, fresh_v, n_held, done)
         codes, scales, biases = channel_quantize(dense_k, self.key_bits, self.key_group)  # B, H, done, ·
         rows_k, table_s, table_b = self.keys[1:]
@@ -264,7 +280,7 @@ class ChannelStorage:
             mx.concatenate([table_b, biases], axis=2),
         )
         rotation = self._value_rotation(dense_v.dtype)
-        if rotation is not None:
+        if rotation is not None and not self.rotate_held:
             dense_v = dense_v @ rotation
         for x, p in zip(self.values, mx.quantize(dense_v, group_size=self.kv_group_size, bits=self.value_bits)):
             x[..., slot : slot + done, :] = p
@@ -305,7 +321,7 @@ class ChannelStorage:
         quantized values as stored (rotated ``mx.quantize`` triples)."""
         n_quant = size - self.n_full
         values = tuple(x[..., :n_quant, :] for x in self.values), self._held_dense(self.fp_values, self.n_full)
-        return (self._quantized_keys(n_quant), self._held_dense(self.fp_keys, self.n_full)), values
+        return (self._quantized_keys(n_quant), self._held_keys(self.n_full)), values
 
     def _quantized_keys(self, n_quant: int) -> mx.array:
         codes, rows, table_s, table_b = self.keys
@@ -324,11 +340,14 @@ class ChannelStorage:
             dense = held_v[..., :0, :]
             if q_values[0].shape[2]:  # (mx.dequantize cannot take zero rows)
                 dense = mx.dequantize(*q_values, group_size=self.kv_group_size, bits=self.value_bits)
-            dense = dense if rotation is None else dense @ rotation.T
-            dense_k, dense_v = mx.concatenate(keys, axis=2), mx.concatenate([dense, held_v], axis=2)
+            if self.rotate_held:  # both rotated: rotate back once
+                dense_v = mx.concatenate([dense, held_v], axis=2) @ rotation.T
+            else:
+                dense_v = mx.concatenate([dense if rotation is None else dense @ rotation.T, held_v], axis=2)
+            dense_k = mx.concatenate(keys, axis=2)
             return mx.fast.scaled_dot_product_attention(queries, dense_k, dense_v, scale=scale, mask=mask)
-        # Decoding: a quantized matmul over the rotated values, the held ones rotated to join them.
-        values = q_values, held_v if rotation is None else held_v @ rotation
+        # Decoding: a quantized matmul over the rotated values, the held ones rotated (if not stored so).
+        values = q_values, held_v if rotation is None or self.rotate_held else held_v @ rotation
         out = quantized_attention(queries, keys, values, scale, mask, group_size=self.kv_group_size, bits=self.kv_bits)
         return out if rotation is None else out @ rotation.T  # the values were read as vR
 
@@ -387,7 +406,7 @@ class ChannelStorage:
     def dense_keys(self, size: int, capacity: int) -> mx.array:
         """``(B, H, C, D)`` keys in the model's dtype (a transient copy, for policies; zeros past ``size``)."""
         B, H, D, _, dtype = self.shape
-        held = self._held_dense(self.fp_keys, self.n_full)
+        held = self._held_keys(self.n_full)
         parts = [self._quantized_keys(size - self.n_full).astype(held.dtype), held]
         return mx.concatenate(parts + [mx.zeros((B, H, capacity - size, D), held.dtype)] * (capacity > size), axis=2)
 
@@ -415,6 +434,7 @@ class ChannelStorage:
             "kv_rotate": self.kv_rotate,
             "window_bits": self.window_bits,
             "compacted": self.compacted,
+            "rotate_held": self.rotate_held,
         }
 
     @classmethod
@@ -426,6 +446,7 @@ class ChannelStorage:
             key_group=meta["key_group"],
             kv_rotate=meta["kv_rotate"],
             window_bits=meta["window_bits"],
+            rotate_held=meta["rotate_held"],
         )
         storage.n_full, storage.compacted = meta["n_full"], meta["compacted"]
         return storage
