@@ -6,7 +6,7 @@ channel: a key channel's outliers are steady over tokens, so a scale per
 Values stay per token (``mx.quantize`` groups of ``kv_group_size`` channels),
 rotated by :func:`mlxevict.rotation.rotation_matrix`; keys are not rotated.
 
-Tokens arrive in 8 bits per token (unrotated) and wait there, never evicted: the
+Tokens arrive in 8 bits per token (rotated, as the values: ``rotate_held``) and wait there, never evicted: the
 newest ``full_precision_window`` tokens and the key group not yet complete. Once
 a whole group of ``key_group`` positions (``[g·G, (g+1)·G)``) is older than the
 window, it is quantized **once** and never again, whatever is evicted later:
