@@ -111,12 +111,19 @@ def held_nbytes(
     bytes_per_token: int,
     window_bytes_per_token: Optional[int] = None,
     full_precision_window: Optional[int] = None,
+    held_extra: int = 0,
+    fixed: int = 0,
 ) -> int:
-    """KV bytes of ``tokens`` entries, a quantized cache's window at its own size (:func:`tokens_within`)."""
+    """KV bytes of ``tokens`` entries, a quantized cache's window at its own size (:func:`tokens_within`).
+
+    ``held_extra``: window slots held beyond the window's tokens (an unfinished key group, whose rows
+    also keep their quantized slots: :class:`~mlxevict.channel_storage.ChannelStorage`); ``fixed``: bytes
+    held whatever the tokens (its scale table's reserved rows).
+    """
     if window_bytes_per_token is None:
         return tokens * bytes_per_token
     window = min(tokens, full_window(tokens, full_precision_window))
-    return (tokens - window) * bytes_per_token + window * window_bytes_per_token
+    return (tokens - window) * bytes_per_token + (window + held_extra) * window_bytes_per_token + fixed
 
 
 def tokens_within(
@@ -124,6 +131,8 @@ def tokens_within(
     bytes_per_token: int,
     window_bytes_per_token: Optional[int] = None,
     full_precision_window: Optional[int] = None,
+    held_extra: int = 0,
+    fixed: int = 0,
 ) -> int:
     """The most tokens whose KV fits ``nbytes``.
 
@@ -133,7 +142,8 @@ def tokens_within(
     """
     tokens = max(0, nbytes) // max(1, bytes_per_token)
     # The window costs at most a few dozen tokens more.
-    while tokens > 0 and held_nbytes(tokens, bytes_per_token, window_bytes_per_token, full_precision_window) > nbytes:
+    costs = (bytes_per_token, window_bytes_per_token, full_precision_window, held_extra, fixed)
+    while tokens > 0 and held_nbytes(tokens, *costs) > nbytes:
         tokens -= 1
     return tokens
 
@@ -150,6 +160,8 @@ def _costs(model_or_config: Any, storage: KVStorage) -> dict[str, Any]:
         bytes_per_token=shape.storage_bytes(storage),
         window_bytes_per_token=shape.window_bytes(storage),
         full_precision_window=storage.full_precision_window,
+        held_extra=storage.held_extra,
+        fixed=shape.fixed_bytes(storage),
     )
 
 
@@ -161,6 +173,8 @@ def fit_budget(
     context_limit: Optional[int] = None,
     window_bytes_per_token: Optional[int] = None,
     full_precision_window: Optional[int] = None,
+    held_extra: int = 0,
+    fixed: int = 0,
 ) -> int:
     """The budget (tokens per layer) whose KV takes ``fraction`` of ``available`` bytes.
 
@@ -175,7 +189,7 @@ def fit_budget(
         A positive multiple of 64, at least ``MIN_AUTO_BUDGET``.
     """
     nbytes = int(max(0, available) * fraction)
-    tokens = tokens_within(nbytes, bytes_per_token, window_bytes_per_token, full_precision_window)
+    tokens = tokens_within(nbytes, bytes_per_token, window_bytes_per_token, full_precision_window, held_extra, fixed)
     if context_limit:
         tokens = min(tokens, context_limit)
     return max(MIN_AUTO_BUDGET, tokens // 64 * 64)

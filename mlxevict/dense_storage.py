@@ -67,6 +67,10 @@ class DenseStorage:
         """``None``: the model's own attention reads dense entries."""
         return None
 
+    def limit_groups(self, rank_key: mx.array, n_keep: int, size: int, budget: int) -> tuple[mx.array, int]:
+        """The cache's ``(B, H, C)`` keep-priority and ``n_keep`` as they are: any set of slots can be kept."""
+        return rank_key, n_keep
+
     def slots(self) -> list[mx.array]:
         """Every per-slot array, what compaction gathers (in the order :meth:`set_slots` takes)."""
         return [self.keys, self.values]

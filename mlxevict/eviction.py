@@ -76,6 +76,7 @@ class CacheEviction:
         rank_key = priority_compiled(
             self.policy.score(self), self.positions, mx.array(self.offset), self.sinks, self.protected_window, pinned
         )
+        rank_key, n_keep = self.storage.limit_groups(rank_key, n_keep, self._size, self.budget)  # storage's bound
         self._set_slots(compact_compiled(rank_key, mx.array(n_keep), self._slots()))
         self.evictions += 1
         self._size = n_keep

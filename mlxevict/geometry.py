@@ -37,6 +37,10 @@ class KVShape:
         """Bytes per token, all layers, in ``storage`` (a quantized cache's window: :meth:`window_bytes`)."""
         return self.layers * self.kv_heads * storage.bytes_per_token(self.head_dim, self.dtype_size)
 
+    def fixed_bytes(self, storage: KVStorage = DTYPE) -> int:
+        """Bytes, all layers, that ``storage`` holds whatever its tokens (a table's reserved rows)."""
+        return self.layers * self.kv_heads * storage.fixed_bytes(self.head_dim, self.dtype_size)
+
     def window_bytes(self, storage: KVStorage = DTYPE) -> Optional[int]:
         """Bytes per token of a quantized cache's recent window; ``None`` when the window costs what any token does."""
         window = storage.window_bytes_per_token(self.head_dim, self.dtype_size)

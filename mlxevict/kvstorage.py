@@ -23,18 +23,21 @@ KVBits = Union[int, tuple[int, int]]
 SPLIT_BITS = (5, 3)  # keys finer than values, at the bytes of 4 bits: the keys carry the error
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize supports
 WINDOW_BITS = (8,)
+KEY_GROUPS = (32, 64, 128)  # tokens per key scale for keys quantized per channel (KIVI); mx.quantize's group sizes
+ROW_ID_BYTES = 2  # a per-channel key's uint16 row in its storage's scale table
+ROW_RESERVE = 2  # scale-table rows beyond one per key group of slots (the sinks' group, groups cut by eviction)
 NONE = "none"  # --kv-bits none: the model's dtype
 
 # The two spellings of the storage's parameters: make_cache's arguments and the CLI's flags.
 API = {
     "kv_bits": "kv_bits={!r}", "group": "kv_group_size={!r}", "fp": "full_precision_window={!r}",
     "window_bits": "window_bits={!r}", "bits_flag": "kv_bits", "pair": "(5, 3)", "none": "None",
-    "group_fix": "kv_group_size={}",
+    "group_fix": "kv_group_size={}", "key_group": "key_group={!r}",
 }  # fmt: skip
 FLAGS = {
     "kv_bits": "--kv-bits {}", "group": "--kv-group-size {}", "fp": "--fp-window {}",
     "window_bits": "--window-bits {}", "bits_flag": "--kv-bits", "pair": "5,3", "none": "none",
-    "group_fix": "--kv-group-size {}",
+    "group_fix": "--kv-group-size {}", "key_group": "--key-group {}",
 }  # fmt: skip
 
 
@@ -78,6 +81,7 @@ def check(
     full_precision_window: Any = None,
     window_bits: Any = None,
     *,
+    key_group: Any = None,
     head_dims: tuple[int, ...] = (),
     names: Mapping[str, str] = API,
 ) -> None:
@@ -91,6 +95,8 @@ def check(
         group_size: 32, 64 or 128, dividing every head dim.
         full_precision_window: tokens >= 0.
         window_bits: 8, when keys and values both take fewer bits.
+        key_group: tokens per key scale (keys per channel, :mod:`mlxevict.channel_storage`): 32, 64 or 128,
+            with key bits under 8 and ``window_bits`` 8.
         head_dims: the key and value head dims, when known.
         names: :data:`API` (``make_cache``'s argument names) or :data:`FLAGS` (the CLI's).
     """
@@ -117,6 +123,21 @@ def check(
             raise ValueError(
                 f"{_spell(names, key, value)} needs {names['bits_flag']} 8, 4 or {names['pair']} "
                 "(without it nothing is quantized)"
+            )
+    if key_group is not None:
+        if key_group not in KEY_GROUPS or isinstance(key_group, bool):
+            raise ValueError(f"{_spell(names, 'key_group', key_group)} is not supported; use 32, 64 or 128 tokens")
+        needs = []
+        if kv_bits is None or key_value_bits(kv_bits)[0] >= 8:
+            given = "" if kv_bits is None else f" (not {_spell(names, 'kv_bits', kv_bits)})"
+            needs.append(f"key bits under 8{given}")
+        if window_bits is None:
+            needs.append(_spell(names, "window_bits", 8))
+        if needs:
+            raise ValueError(
+                f"{_spell(names, 'key_group', key_group)} needs {' and '.join(needs)}, such as "
+                f"{_spell(names, 'kv_bits', (5, 3))} {_spell(names, 'window_bits', 8)}: keys are quantized per "
+                "channel once their group leaves the 8-bit window"
             )
     if full_precision_window is not None and (
         not isinstance(full_precision_window, int) or full_precision_window < 0
@@ -146,6 +167,9 @@ class KVStorage:
         full_precision_window: the newest tokens kept unquantized (or in ``window_bits``);
             ``None``: ``min(32, budget // 8)``.
         rotate: rotate keys and values before quantizing; ``None``: when under 8 bits.
+        key_group: ``None`` quantizes keys per token; 32, 64 or 128 quantizes them per channel over
+            that many tokens (KIVI, :class:`~mlxevict.channel_storage.ChannelStorage`; values stay
+            per token, rotated; needs ``window_bits=8``).
 
     Raises:
         ValueError: a combination that cannot work (see :func:`check`).
@@ -157,12 +181,14 @@ class KVStorage:
     window_bits: Optional[int] = None
     full_precision_window: Optional[int] = None
     rotate: Optional[bool] = None
+    key_group: Optional[int] = None
 
     def __post_init__(self) -> None:
         if (self.key_bits is None) != (self.value_bits is None):
             raise ValueError(f"key_bits={self.key_bits} and value_bits={self.value_bits}: give both, or neither")
         bits = self.kv_bits
-        check(bits, self.group_size if bits else None, self.full_precision_window, self.window_bits)
+        group = self.group_size if bits else None
+        check(bits, group, self.full_precision_window, self.window_bits, key_group=self.key_group)
         if bits is None:
             object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE)  # unused: one value for "the dtype"
 
@@ -176,17 +202,20 @@ class KVStorage:
         window_bits: Optional[int] = None,
         rotate: Optional[bool] = None,
         *,
+        key_group: Optional[int] = None,
         names: Mapping[str, str] = API,
     ) -> "KVStorage":
         """From ``make_cache``'s storage arguments (``names=FLAGS``: the CLI's values, errors name flags)."""
-        check(kv_bits, group_size, full_precision_window, window_bits, names=names)
+        check(kv_bits, group_size, full_precision_window, window_bits, key_group=key_group, names=names)
         key_bits, value_bits = (None, None) if kv_bits is None else key_value_bits(kv_bits)
-        return cls(key_bits, value_bits, group_size or DEFAULT_GROUP_SIZE, window_bits, full_precision_window, rotate)
+        group = group_size or DEFAULT_GROUP_SIZE
+        return cls(key_bits, value_bits, group, window_bits, full_precision_window, rotate, key_group)
 
     @classmethod
     def from_options(cls, **options: Any) -> "KVStorage":
         """From ``make_cache``'s storage keywords: ``kv_bits``, ``kv_group_size``, ``full_precision_window``,
-        ``window_bits``, ``kv_rotate`` (a group size without ``kv_bits`` is ignored, as ``make_cache`` does)."""
+        ``window_bits``, ``kv_rotate``, ``key_group`` (a group size without ``kv_bits`` is ignored, as
+        ``make_cache`` does)."""
         bits = options.get("kv_bits")
         return cls.of(
             bits,
@@ -194,6 +223,7 @@ class KVStorage:
             options.get("full_precision_window"),
             options.get("window_bits"),
             options.get("kv_rotate"),
+            key_group=options.get("key_group"),
         )
 
     @classmethod
@@ -203,14 +233,18 @@ class KVStorage:
         group_size: Optional[int] = None,
         full_precision_window: Optional[int] = None,
         window_bits: Optional[int] = None,
+        key_group: Optional[int] = None,
     ) -> "KVStorage":
         """From the flags: ``--kv-bits`` text (``8``, ``4``, ``5,3`` or ``none``) and the others' values."""
-        return cls.of(parse_bits(text), group_size, full_precision_window, window_bits, names=FLAGS)
+        bits = parse_bits(text)
+        return cls.of(bits, group_size, full_precision_window, window_bits, key_group=key_group, names=FLAGS)
 
     @classmethod
     def from_suffix(cls, suffix: str) -> "KVStorage":
-        """From a benchmark suffix: ``""``, ``":q8"``, ``":q4w8"``, ``":k5v3w8"`` (group size 64)."""
+        """From a benchmark suffix: ``""``, ``":q8"``, ``":q4w8"``, ``":k5v3w8"``, ``":k5v3w8c64"`` (keys per
+        channel over 64 tokens); group size 64."""
         text = suffix.removeprefix(":")
+        text, _, channel = text.partition("c")
         window = 8 if text.endswith("w8") else None
         text = text.removesuffix("w8") if window else text
         try:
@@ -221,9 +255,10 @@ class KVStorage:
             else:
                 key, value = text.removeprefix("k").split("v")
                 bits = (int(key), int(value))
-            return cls.of(bits, window_bits=window)
+            return cls.of(bits, window_bits=window, key_group=int(channel) if channel else None)
         except ValueError:
-            raise ValueError(f"{suffix!r} is not a storage suffix; use :q8, :q4, :q4w8 or :k5v3w8") from None
+            known = ":q8, :q4, :q4w8, :k5v3w8 or :k5v3w8c64"
+            raise ValueError(f"{suffix!r} is not a storage suffix; use {known}") from None
 
     # ---- reading it --------------------------------------------------------------------------------
     @property
@@ -239,8 +274,10 @@ class KVStorage:
 
     @property
     def label(self) -> str:
-        """``"5/3-bit"``, ``"8-bit"``, or ``"model dtype"``."""
-        return bits_label(self.kv_bits) if self.quantized else "model dtype"
+        """``"5/3-bit"``, ``"8-bit"``, ``"5/3-bit KIVI-64"`` (keys per channel), or ``"model dtype"``."""
+        if not self.quantized:
+            return "model dtype"
+        return bits_label(self.kv_bits) + (f" KIVI-{self.key_group}" if self.key_group else "")
 
     @property
     def bits_text(self) -> str:
@@ -259,27 +296,30 @@ class KVStorage:
             parts.append(_spell(FLAGS, "fp", self.full_precision_window))
         if self.window_bits is not None:
             parts.append(_spell(FLAGS, "window_bits", self.window_bits))
+        if self.key_group is not None:
+            parts.append(_spell(FLAGS, "key_group", self.key_group))
         return " ".join(parts)
 
     @property
     def suffix(self) -> str:
-        """The benchmark-name form: ``":k5v3w8"``, ``":q4"`` (``""`` for the dtype)."""
+        """The benchmark-name form: ``":k5v3w8"``, ``":q4"``, ``":k5v3w8c64"`` (``""`` for the dtype)."""
         if not self.quantized:
             return ""
         bits = f"q{self.key_bits}" if self.key_bits == self.value_bits else f"k{self.key_bits}v{self.value_bits}"
-        return f":{bits}{'w8' if self.window_bits else ''}"
+        return f":{bits}{'w8' if self.window_bits else ''}{f'c{self.key_group}' if self.key_group else ''}"
 
     def options(self) -> dict[str, Any]:
         """``make_cache``'s (and ``QuantizedEvictingKVCache``'s) storage arguments; ``{}`` for the dtype."""
         if not self.quantized:
             return {}
-        return dict(
+        options = dict(
             kv_bits=self.kv_bits,
             kv_group_size=self.group_size,
             full_precision_window=self.full_precision_window,
             kv_rotate=self.rotate,
             window_bits=self.window_bits,
         )
+        return {**options, "key_group": self.key_group} if self.key_group else options
 
     def with_window(self, full_precision_window: Optional[int]) -> "KVStorage":
         return replace(self, full_precision_window=full_precision_window)
@@ -290,14 +330,31 @@ class KVStorage:
 
     # ---- bytes -------------------------------------------------------------------------------------
     def bytes_per_token(self, head_dim: int, dtype_size: int) -> int:
-        """Bytes of one token's key and value vectors for one kv-head of one layer."""
-        return sum(storage_bytes(head_dim, dtype_size, b, self.group_size) for b in (self.key_bits, self.value_bits))
+        """Bytes of one token's key and value vectors for one kv-head of one layer.
+
+        Keys per channel (``key_group``): the packed codes, the row id, and the scale table counted
+        per token as if every group kept its ``key_group`` tokens (a scale and a bias per channel).
+        """
+        values = storage_bytes(head_dim, dtype_size, self.value_bits, self.group_size)
+        if self.key_group:
+            table = -(-2 * head_dim * dtype_size // self.key_group)
+            return head_dim * self.key_bits // 8 + ROW_ID_BYTES + table + values
+        return storage_bytes(head_dim, dtype_size, self.key_bits, self.group_size) + values
 
     def window_bytes_per_token(self, head_dim: int, dtype_size: int) -> Optional[int]:
         """Bytes of a recent-window token (per layer and kv-head); ``None`` unquantized (no window apart)."""
         if not self.quantized:
             return None
         return 2 * storage_bytes(head_dim, dtype_size, self.window_bits, self.group_size)
+
+    def fixed_bytes(self, head_dim: int, dtype_size: int) -> int:
+        """Bytes per layer and kv-head whatever the tokens: keys per channel reserve ``ROW_RESERVE`` table rows."""
+        return ROW_RESERVE * 2 * head_dim * dtype_size if self.key_group else 0
+
+    @property
+    def held_extra(self) -> int:
+        """Tokens held at the window's size beyond the window: an unfinished key group (keys per channel)."""
+        return self.key_group or 0
 
 
 def parse_bits(text: str) -> Optional[KVBits]:

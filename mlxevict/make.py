@@ -7,7 +7,8 @@ from typing import Any, Sequence
 
 import mlx.nn as nn
 
-from .cache import DEFAULT_BUDGET, DEFAULT_SINKS, EvictingKVCache
+from .cache import DEFAULT_BUDGET, DEFAULT_SINKS, EvictingKVCache, default_window
+from .channel_storage import ChannelStorage
 from .model_patch import check_supported, patch
 from .distributed import model_shard
 from .kvstorage import DEFAULT_GROUP_SIZE, KVBits, KVStorage
@@ -30,6 +31,7 @@ def make_cache(
     full_precision_window: int | None = None,
     kv_rotate: bool | None = None,
     window_bits: int | None = None,
+    key_group: int | None = None,
     **policy_kwargs: Any,
 ) -> list[EvictingKVCache]:
     """Patch ``model`` and build one :class:`EvictingKVCache` per layer.
@@ -48,7 +50,8 @@ def make_cache(
             model's context (a larger one is capped there, with a warning); without
             ``kv_bits`` a memory budget picks the storage: the model's dtype or 8 bits when
             they hold the model's whole context, else keys in 5 bits, values in 3 and the
-            newest tokens in 8 (the most quality per byte measured).
+            newest tokens in 8, keys quantized per channel over 64 tokens when even that
+            would evict (the most quality per byte measured; see :func:`~mlxevict.plan.memory_storage`).
         sinks, window, slack, prompt_mode, pinned, policy_kwargs: see :class:`EvictingKVCache`.
         kv_bits: ``None`` (default) stores KV in the model's dtype (for a budget in
             tokens; see ``budget`` for one in memory); 8 or 4 store
@@ -62,6 +65,9 @@ def make_cache(
             Default ``None``: when keys or values are under 8 bits.
         window_bits: with storage under 8 bits, 8 stores the recent window in 8 bits
             instead of the model's dtype. Default ``None``.
+        key_group: with key bits under 8 and ``window_bits=8``, quantize keys per channel over
+            this many tokens (32, 64 or 128; KIVI, :class:`~mlxevict.channel_storage.ChannelStorage`)
+            instead of per token. Default ``None``.
 
     Returns:
         A list with one cache per layer.
@@ -71,7 +77,10 @@ def make_cache(
             work, or a ``kv_bits``/``kv_group_size`` the model cannot use.
     """
     check_supported(model)  # before anything reads the model's geometry
-    given = KVStorage.of(kv_bits, kv_group_size if kv_bits is not None else None, full_precision_window, window_bits, kv_rotate)
+    given = KVStorage.of(
+        kv_bits, kv_group_size if kv_bits is not None else None, full_precision_window, window_bits, kv_rotate,
+        key_group=key_group,
+    )  # fmt: skip
     # Without kv_bits the planner chooses: the dtype for tokens, its memory rule for a budget in memory.
     plan = plan_cache(model, budget, given if given.quantized else None)
     for note in plan.notes:
@@ -79,14 +88,27 @@ def make_cache(
     storage = plan.storage
     cls = QuantizedEvictingKVCache if storage.quantized else EvictingKVCache
     options: dict[str, Any] = dict(sinks=sinks, window=window, slack=slack, prompt_mode=prompt_mode, pinned=pinned)
-    options.update(storage.options())
     budget = plan.tokens
-    caches = [cls(policy, budget, **options, **policy_kwargs) for _ in model.layers]
+    if storage.key_group:
+        caches = [
+            EvictingKVCache(policy, budget, storage=channel_storage(storage, budget), **options, **policy_kwargs)
+            for _ in model.layers
+        ]
+    else:
+        options.update(storage.options())
+        caches = [cls(policy, budget, **options, **policy_kwargs) for _ in model.layers]
     patch(model)
     shard = model_shard(model)  # a sharded model's caches hold its block of heads
     for cache in caches:
         cache.shard = shard
     return caches
+
+
+def channel_storage(storage: KVStorage, budget: int) -> ChannelStorage:
+    """A fresh :class:`ChannelStorage` for ``storage`` (keys per channel) and a cache of ``budget`` entries."""
+    window = default_window(budget) if storage.full_precision_window is None else storage.full_precision_window
+    s = storage
+    return ChannelStorage(s.kv_bits, s.group_size, window, s.key_group, s.rotate, s.window_bits)
 
 
 def pin(caches: Sequence[EvictingKVCache], start: int, end: int) -> None:

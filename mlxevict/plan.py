@@ -16,6 +16,8 @@ from .budget import BudgetRequest, budget_tokens, parse_budget, storage_nbytes
 from .errors import MlxEvictError
 from .geometry import context_limit, kv_shape
 from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, SPLIT_BITS, KVStorage
+
+KEY_GROUP = 64  # tokens per key scale of the memory rule's per-channel keys (the one measured)
 from .policies import make_policy
 from .room import default_slack, default_window, full_window, room_needed
 
@@ -48,11 +50,14 @@ def memory_storage(
 ) -> KVStorage:
     """What a budget in memory (or ``auto``) stores when no storage is asked for.
 
-    The finest storage that holds the model's whole context (its dtype, then 8 bits:
-    nothing is ever evicted, so nothing is gained by fewer bits); else keys in 5 bits,
-    values in 3 and the newest tokens in 8, which at a quarter of a 16-bit cache's
-    bytes kept every retrieval answer where the 16-bit default and mlx-lm's caches kept
-    none (``docs/results/kv_bits``). The dtype when no group size divides the head dim.
+    The finest storage that holds the model's whole context (its dtype, then 8 bits, then
+    keys in 5 bits, values in 3 and the newest tokens in 8: nothing is ever evicted, so
+    nothing is gained by fewer bits); else the same bits with keys quantized per channel
+    over 64 tokens (KIVI, :mod:`mlxevict.channel_storage`), which the long-context
+    suite's tuning half picked at 25% and 12.5% of a 16-bit cache's bytes
+    (docs/results/long/README.md), unless its 96 tokens held in 8 bits would take more
+    than half the budget (then per-token 5/3 bits). Ask for ``--kv-bits 5,3 --window-bits 8``
+    to keep per-token keys. The dtype when no group size divides the head dim.
 
     Args:
         request: a budget in memory or ``auto``.
@@ -64,10 +69,14 @@ def memory_storage(
     group = next((g for g in (DEFAULT_GROUP_SIZE, 32) if head_dim % g == 0), None)
     if group is None:
         return DTYPE
-    for storage in (DTYPE, KVStorage.of(8, group)):
+    per_token = KVStorage.of(SPLIT_BITS, group, window_bits=8)
+    for storage in (DTYPE, KVStorage.of(8, group), per_token):
         if limit and budget_tokens(request, model_or_config, storage, available=available) >= limit:
             return storage
-    return KVStorage.of(SPLIT_BITS, group, window_bits=8)
+    channel = KVStorage.of(SPLIT_BITS, group, window_bits=8, key_group=KEY_GROUP)
+    tokens = budget_tokens(request, model_or_config, channel, available=available)
+    # Its 8-bit window and unfinished key group (96 tokens) must leave room to evict: at most half the budget.
+    return channel if tokens >= 2 * (default_window(tokens) + KEY_GROUP) else per_token
 
 
 def protected_room(
@@ -88,7 +97,7 @@ def protected_room(
     """
     window = default_window(budget, make_policy(policy)) if window is None else window
     if storage.quantized:
-        window = max(window, full_window(budget, storage.full_precision_window))
+        window = max(window, full_window(budget, storage.full_precision_window) + storage.held_extra)
     slack = default_slack(budget) if slack is None else slack
     return room_needed(sinks, window, slack, sum(end - start for start, end in pinned))
 

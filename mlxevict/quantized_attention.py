@@ -81,7 +81,7 @@ def quantized_attention(
     """
     (q_keys, f_keys), (q_values, f_values) = keys, values
     B, n_q_heads, L, D = queries.shape
-    n_kv_heads = q_keys[0].shape[1]
+    n_kv_heads = (q_keys[0] if _quantized(q_keys) else q_keys).shape[1]
     n_repeats = n_q_heads // n_kv_heads
     n_quant = _rows(q_keys)
     queries = queries * scale  # not in place: the patched attention shows the queries to the policy

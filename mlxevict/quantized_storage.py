@@ -178,6 +178,10 @@ class QuantizedStorage:
             rotation=self.rotation, window_bits=self.window_bits,
         )  # fmt: skip
 
+    def limit_groups(self, rank_key: mx.array, n_keep: int, size: int, budget: int) -> tuple[mx.array, int]:
+        """The cache's ``(B, H, C)`` keep-priority and ``n_keep`` as they are: any set of slots can be kept."""
+        return rank_key, n_keep
+
     def slots(self) -> list[mx.array]:
         """The quantized arrays (fewer slots than the cache: the window lives apart and is always kept)."""
         return [*self.keys, *self.values]

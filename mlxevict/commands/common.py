@@ -48,11 +48,12 @@ def load(args: argparse.Namespace) -> tuple[Resolved, Any, Any]:
 def storage_flags(args: argparse.Namespace) -> Optional[KVStorage]:
     """The storage the flags ask for (checked, errors naming the flags); ``None``: the planner's rule."""
     flags = (args.kv_group_size, args.fp_window, args.window_bits)
-    if args.kv_bits is None and all(value is None for value in flags):
+    key_group = getattr(args, "key_group", None)
+    if args.kv_bits is None and all(value is None for value in (*flags, key_group)):
         return None
     bits = None if args.kv_bits in (None, KV_BITS_NONE) else args.kv_bits
     try:
-        return KVStorage.of(bits, *flags, names=FLAGS)
+        return KVStorage.of(bits, *flags, key_group=key_group, names=FLAGS)
     except ValueError as err:
         raise MlxEvictError(str(err)) from None
 

@@ -60,7 +60,7 @@ kv_bits_option.__name__ = "kv_bits"  # argparse names the type in "invalid kv_bi
 
 def add_cache_options(parser: argparse.ArgumentParser) -> None:
     """``--policy``, ``--budget`` (or mlx-lm's ``--max-kv-size``), ``--window``, ``--sinks`` and the storage:
-    ``--kv-bits``, ``--kv-group-size``, ``--fp-window``, ``--window-bits``."""
+    ``--kv-bits``, ``--kv-group-size``, ``--fp-window``, ``--window-bits``, ``--key-group``."""
     group = parser.add_argument_group("KV cache")
     group.add_argument(
         "--policy", default="default", choices=policy_names(), help="eviction policy (default: %(default)s)"
@@ -94,8 +94,8 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
         help="store the kept KV entries in 8 or 4 bits, or keys and values apart as KEY,VALUE bits (5,3: the "
         "bytes of 4 bits, keys finer); the newest --fp-window tokens stay in full precision; none: the model's "
         "dtype. Default: the model's dtype for a --budget in tokens; for a --budget in memory (1.5GB, auto) the "
-        "dtype or 8 bits if that holds the model's whole context, else 5,3 with --window-bits 8 (the most per "
-        "byte)",
+        "dtype or 8 bits (or 5,3 with --window-bits 8) if that holds the model's whole context, else 5,3 with "
+        "--window-bits 8 --key-group 64 (the most per byte)",
     )
     group.add_argument(
         "--kv-group-size",
@@ -118,6 +118,15 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --kv-bits under 8: store the --fp-window tokens in 8 bits instead of full precision "
         "(half their bytes; on the test model almost the same quality)",
+    )
+    group.add_argument(
+        "--key-group",
+        type=int,
+        choices=(32, 64, 128),
+        default=None,
+        metavar="N",
+        help="with --kv-bits 5,3 --window-bits 8: quantize keys per channel over N tokens (KIVI) instead of per "
+        "token; a --budget in memory that must evict picks 64 unless --kv-bits is given",
     )
 
 
