@@ -45,6 +45,7 @@ from .dense_storage import fit_slots
 from .kernels import PROTECTED
 from .kvstorage import DEFAULT_GROUP_SIZE, ROW_RESERVE, KVBits, check, key_value_bits
 from .quantized_attention import quantized_attention
+from .quantized_storage import quantized_zeros
 from .rotation import rotation_matrix
 
 HELD_BITS = 8  # the window and the unfinished key group, per token
@@ -104,12 +105,7 @@ class ChannelStorage:
 
     # ---- layout ------------------------------------------------------------
     def _per_token(self, B: int, H: int, C: int, D: int, dtype: mx.Dtype, bits: int) -> tuple[mx.array, ...]:
-        groups = D // self.kv_group_size
-        return (
-            mx.zeros((B, H, C, D * bits // WORD), mx.uint32),
-            mx.zeros((B, H, C, groups), dtype),
-            mx.zeros((B, H, C, groups), dtype),
-        )
+        return quantized_zeros((B, H, C, D), dtype, bits, self.kv_group_size)
 
     def _quantized_capacity(self, capacity: int) -> int:
         """Quantized slots: every slot but the window (the unfinished group's rows need them once it is complete)."""

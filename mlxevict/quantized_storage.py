@@ -32,6 +32,17 @@ from .kvstorage import DEFAULT_GROUP_SIZE, KVBits, check, key_value_bits
 from .rotation import rotation_matrix
 
 
+def quantized_zeros(shape: tuple[int, int, int, int], dtype: mx.Dtype, bits: int, group_size: int) -> Entries:
+    """Empty per-token quantized entries for ``(B, H, C, D)``: packed codes, scales, biases (as ``mx.quantize``)."""
+    B, H, C, D = shape
+    groups = D // group_size
+    return (
+        mx.zeros((B, H, C, D * bits // 32), mx.uint32),  # mx.quantize packs D * bits bits per row
+        mx.zeros((B, H, C, groups), dtype),
+        mx.zeros((B, H, C, groups), dtype),
+    )
+
+
 class QuantizedStorage:
     """Quantized keys and values plus a recent window; see the module docstring.
 
@@ -78,12 +89,7 @@ class QuantizedStorage:
 
     # ---- layout ------------------------------------------------------------
     def _zeros(self, B: int, H: int, C: int, D: int, dtype: mx.Dtype, bits: int) -> Entries:
-        groups = D // self.kv_group_size
-        return (
-            mx.zeros((B, H, C, D * bits // 32), mx.uint32),  # mx.quantize packs D * bits bits per row
-            mx.zeros((B, H, C, groups), dtype),
-            mx.zeros((B, H, C, groups), dtype),
-        )
+        return quantized_zeros((B, H, C, D), dtype, bits, self.kv_group_size)
 
     def _quantized_capacity(self, capacity: int) -> int:
         return max(0, capacity - self.full_precision_window)
