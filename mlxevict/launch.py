@@ -36,6 +36,12 @@ def rank_name(group: mx.distributed.Group) -> str:
     return f"rank {group.rank()} of {group.size()}"
 
 
+def this_rank() -> str:
+    """``rank 0 of 2`` under mlx.launch, ``this rank`` alone."""
+    group = world()
+    return rank_name(group) if group is not None else "this rank"
+
+
 def join_ranks(args: argparse.Namespace) -> Optional[mx.distributed.Group]:
     """Make the ranks one program (see the module docstring); ``None`` when running alone."""
     group = launched()
@@ -53,8 +59,7 @@ def join_ranks(args: argparse.Namespace) -> Optional[mx.distributed.Group]:
 
 def lost_peer_message(err: BaseException) -> str:
     """One line for the ring backend's error when another rank went away."""
-    group = world()
-    who = rank_name(group) if group is not None else "this rank"
+    who = this_rank()
     return (
         f"{who} lost the connection to another rank ({err}): another rank failed or was killed "
         "(its error, or mlx.launch's warning, names it)"
@@ -71,8 +76,7 @@ def _stopped_by_launcher(signum: int, frame: Any) -> None:
     # mlx.launch terminates the other ranks once one exits with an error; without this the
     # ranks it stops die of SIGTERM without a word when the ring has not yet failed them.
     quiet_stop()
-    group = world()
-    who = rank_name(group) if group is not None else "this rank"
+    who = this_rank()
     raise MlxEvictError(
         f"{who} was stopped by mlx.launch because another rank exited (its error, or mlx.launch's warning, names it)"
     )
