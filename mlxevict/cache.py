@@ -196,7 +196,7 @@ class EvictingKVCache(CacheSlots, CacheEviction, CacheState, _BaseCache):
     def observe(self, queries: mx.array, scale: float) -> None:
         """Queue the step's ``(B, H*G, S, D)`` post-RoPE queries for the policy (:mod:`mlxevict.queries`)."""
         self.scale = scale
-        if self.queries.add(queries, self.offset):
+        if self.queries.add(queries, self.offset, self.first_query_read):
             self.flush(compute=queries.shape[2] > 1)
 
     def feed_prediction_entropy(self, entropy: mx.array) -> None:

@@ -4,7 +4,8 @@
 keeps the per-slot bookkeeping beside the storage (which holds the entries:
 :mod:`mlxevict.dense_storage`, :mod:`mlxevict.quantized_storage`) and grows or
 cuts both together. Storage grows in steps of ``GROW_STEP`` slots up to the
-budget, so the compiled kernels trace once per capacity, not per step.
+budget (the first ``GROW_STEP`` in steps of ``FIRST_STEP``), so the compiled kernels
+trace once per capacity, not per step.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import mlx.core as mx
 from .dense_storage import fit_slots
 
 GROW_STEP = 256  # slots storage grows by, as mlx-lm's KVCache
+# A short prompt's storage comes in smaller steps: mlx-lm's KVCache holds 256 slots from its first
+# token, and these 64-slot steps leave room under it for what the policy keeps per slot.
+FIRST_STEP = 64
 
 
 def _per_slot(name: str, doc: str) -> property:
@@ -102,7 +106,8 @@ class CacheSlots:
 
     def _capacity_for(self, needed: int) -> int:
         """Slots to hold ``needed`` entries: whole steps, and no more than the budget while it holds them."""
-        capacity = -(-needed // self.step) * self.step
+        step = FIRST_STEP if needed <= self.step else self.step
+        capacity = -(-needed // step) * step
         if self.policy.evicts and needed <= self.budget:
             capacity = min(capacity, self.budget)
         return capacity

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from .cache_slots import GROW_STEP
 from .kernels import compact_compiled, priority_compiled
-from .room import check_room, protected
+from .room import STATS_CHUNK, check_room, protected
 
 
 class CacheEviction:
@@ -43,6 +43,18 @@ class CacheEviction:
     def pinned(self) -> list[tuple[int, int]]:
         """Absolute ``(start, end)`` spans always kept (the prompt's among them)."""
         return self.pins.spans
+
+    @property
+    def first_query_read(self) -> int:
+        """Queries of positions below this are never read by an eviction, so they need not be kept.
+
+        No eviction comes while the kept entries and the next chunk fit the budget; the patched model
+        (which alone feeds queries) calls with at most ``STATS_CHUNK`` tokens and never more than the
+        budget less what is protected without pins (the most :attr:`max_chunk` can be); an eviction
+        reads the ``policy.query_window`` queries before it.
+        """
+        longest = min(STATS_CHUNK, self.budget - protected(self.sinks, self.protected_window) - self.slack)
+        return self.budget - longest - self.policy.query_window
 
     @property
     def max_chunk(self) -> int:

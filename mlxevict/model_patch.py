@@ -24,9 +24,9 @@ import mlx.nn as nn
 
 from .cache import EvictingKVCache
 from .kernels import prediction_entropy_compiled
+from .room import STATS_CHUNK
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-STATS_CHUNK = 256  # most queries per call, bounds the (S x C) attention statistics
 # A policy fed H(p_t) needs every position's logits (B, S, vocab: more bytes a token than the
 # whole KV of a small model): small chunks bound them, computed apart from the logits returned.
 ENTROPY_CHUNK = 16

@@ -36,13 +36,20 @@ class QueryLog:
     def count(self) -> int:
         return sum(q.shape[2] for q in self.pending)
 
-    def add(self, queries: mx.array, offset: int) -> bool:
-        """Queue the ``(B, H*G, S, D)`` queries of the positions up to ``offset``; ``True``: fold them in now."""
+    def add(self, queries: mx.array, offset: int, first_read: int = 0) -> bool:
+        """Queue the ``(B, H*G, S, D)`` queries of the positions up to ``offset``; ``True``: fold them in now.
+
+        A policy that only reads its recent window skips queries of positions no eviction will read
+        (all below ``first_read``): a short prompt then holds no query state at all.
+        """
         policy = self.policy
         if not (policy.query_window or policy.observes or policy.uses_prediction_entropy):
             return False
         S, window = queries.shape[2], policy.query_window
-        if not (policy.observes or policy.uses_prediction_entropy) and S > window:
+        window_only = not (policy.observes or policy.uses_prediction_entropy)
+        if window_only and offset <= first_read:
+            return False
+        if window_only and S > window:
             # Only the newest query_window queries are read: keep a copy of those, computed now, so
             # this chunk's queries (every layer's) are not held until the caches are next evaluated.
             queries = mx.contiguous(queries[:, :, -window:])
@@ -51,8 +58,9 @@ class QueryLog:
         if not self.pending:
             self.start = offset - queries.shape[2]
         self.pending.append(queries)
-        # an observing policy folds them in now rather than at the next call (one fed H(p_t) waits for it)
-        return policy.observes and not policy.uses_prediction_entropy and self.count >= PENDING_LIMIT
+        # An observing policy folds a prompt chunk in at once, so its queries are not held past the
+        # forward pass, and decoded queries every PENDING_LIMIT (one fed H(p_t) waits for it).
+        return policy.observes and not policy.uses_prediction_entropy and (S > 1 or self.count >= PENDING_LIMIT)
 
     def add_entropy(self, entropy: mx.array) -> None:
         self.entropy.append(entropy)

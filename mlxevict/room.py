@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from .policies import Policy
 
 DEFAULT_SLACK = 16  # at most; never more than budget // 16 unless asked
+# Most tokens the patched model feeds a cache per call (mlxevict.patch splits longer prompts): bounds
+# the (S x C) attention statistics, and says how soon an eviction can come (eviction.first_query_read).
+STATS_CHUNK = 256
 
 
 def default_window(budget: int, policy: Optional[Policy] = None) -> int:

@@ -134,7 +134,7 @@ def test_budget_holds_over_1000_generated_tokens():
     for n, _ in enumerate(steps, start=1):
         seen = prompt.size + n  # generate_step runs one step ahead of what it yields
         for cache in caches:
-            assert cache.size() <= cache.capacity == 128
+            assert cache.size() <= cache.capacity == (64 if seen <= 64 else 128)  # grown in 64-slot steps
             assert cache.offset == seen
         if n % 50 == 0 or n == 1000:
             for cache in caches:

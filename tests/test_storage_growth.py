@@ -10,7 +10,7 @@ from tiny_models import random_tokens, run_chunks, tiny_model
 import mlxevict
 from mlxevict.stats import full_cache_slots
 from mlxevict import make_cache
-from mlxevict.cache_slots import GROW_STEP
+from mlxevict.cache_slots import FIRST_STEP, GROW_STEP
 from mlxevict.budget import storage_nbytes
 from mlxevict.kvstorage import KVStorage
 
@@ -56,8 +56,9 @@ def test_kv_bytes_never_above_a_full_cache_plus_one_step(storage):
             assert stats.nbytes <= budget_nbytes and stats.capacity <= BUDGET
         capacities.add(stats.capacity)
     assert stats.kept <= BUDGET and stats.evicted > 0 and stats.nbytes == budget_nbytes
-    # the compiled kernels see few, fixed shapes: whole steps, then the budget
-    assert all(c % step == 0 or c == BUDGET for c in capacities), capacities
+    # the compiled kernels see few, fixed shapes: whole steps (64-slot ones below 256), then the budget
+    assert all(c % step == 0 or c == BUDGET or (c < step and c % FIRST_STEP == 0) for c in capacities), capacities
+    assert FIRST_STEP in capacities
 
 
 def test_a_short_chat_holds_a_short_cache():
@@ -66,7 +67,7 @@ def test_a_short_chat_holds_a_short_cache():
     caches = make_cache(model, "default", budget=2048)
     run_chunks(model, caches, random_tokens(30), [20] + [1] * 10)
     stats = mlxevict.cache_stats(caches)
-    assert stats.capacity == GROW_STEP and stats.nbytes == stats.full_nbytes  # both 256 slots of the dtype
+    assert stats.capacity == FIRST_STEP and stats.nbytes * 4 == stats.full_nbytes  # 64 slots against 256
 
 
 def test_a_large_budget_never_holds_more_slots_than_a_full_cache():
@@ -84,3 +85,45 @@ def test_a_large_budget_never_holds_more_slots_than_a_full_cache():
         capacities.add(caches[0].capacity)
     assert capacities <= {*range(GROW_STEP, budget, GROW_STEP), budget} and budget in capacities
     assert caches[0].size() <= budget
+
+
+# Policies whose own state used to sit above a full cache on short prompts (issue 18): the recent
+# queries of a query-window policy, the queued queries of an observing one.
+QUERY_READERS = [name for name in mlxevict.policy_names() if name not in ("full", "window", "knorm", "random")]
+
+
+@pytest.mark.parametrize("policy", QUERY_READERS)
+def test_a_short_prompt_leaves_no_query_state_behind(policy):
+    model = tiny_model("llama", layers=2, head_dim=GROUP)
+    caches = make_cache(model, policy, budget=2048)
+    run_chunks(model, caches, random_tokens(40), [40])
+    log = caches[0].queries
+    held = log.count + (0 if log.recent is None else log.recent.shape[2])
+    assert held == 0, (policy, log.count, log.recent)
+
+
+@pytest.mark.parametrize("policy", ["default", "snapkv", "tova", "rkv", "entropy", "h2o"])
+def test_queries_no_eviction_reads_are_not_kept_and_nothing_changes(policy, monkeypatch):
+    """The same chunks with every query kept (the old behaviour) and with the early ones skipped:
+    equal logits and the same entries kept, through many evictions."""
+    model = tiny_model("llama", layers=2, head_dim=GROUP)
+    tokens = random_tokens(430)
+    chunks = [30, 40] + [1] * 10 + [50] + [1] * 300
+
+    def kept(first_read):
+        monkeypatch.setattr(mlxevict.EvictingKVCache, "first_query_read", first_read)
+        caches = make_cache(model, policy, budget=200)
+        logits = run_chunks(model, caches, tokens, chunks)
+        return logits, [c.positions[: c.size()] for c in caches], caches[0].evictions
+
+    every_query = kept(property(lambda self: -1))
+    skipped = kept(property(lambda self: protected_first_read(self)))
+    assert every_query[2] > 10
+    assert mx.allclose(every_query[0], skipped[0], atol=1e-5).item()
+    assert all(mx.array_equal(a, b).item() for a, b in zip(every_query[1], skipped[1]))
+
+
+def protected_first_read(cache) -> int:
+    from mlxevict.eviction import CacheEviction
+
+    return CacheEviction.first_query_read.fget(cache)
