@@ -212,9 +212,8 @@ def kv_bytes_16bit(caches: Sequence[Any], bound: bool = False) -> int:
 
 # ---- storage modes: "<policy>:q8" / ":q4" / ":q4w8" / ":k5v3w8" ---------------------------
 STORAGE_SUFFIXES = (":q8", ":q4", ":q4w8", ":k5v3w8")  # :k5v3w8: keys in 5 bits, values in 3, the bytes of :q4w8
-# Also understood, not in the default sweeps: keys per channel over 64 tokens (KIVI), whose 96 tokens held in
-# 8 bits do not fit the short suite's small budgets.
-KNOWN_SUFFIXES = (*STORAGE_SUFFIXES, ":k5v3w8c64")
+# Also understood, not in the default sweeps: any other suffix KVStorage reads, such as keys per channel over
+# 64 tokens (KIVI, ":k5v3w8c64"), whose 96 tokens held in 8 bits do not fit the short suite's small budgets.
 
 
 def split_storage(name: str) -> tuple[str, dict[str, Any]]:
@@ -222,11 +221,14 @@ def split_storage(name: str) -> tuple[str, dict[str, Any]]:
 
     The suffix is :attr:`mlxevict.kvstorage.KVStorage.suffix`; the dict holds the arguments it sets.
     """
-    for suffix in sorted(KNOWN_SUFFIXES, key=len, reverse=True):
-        if name.endswith(suffix):
-            storage = KVStorage.from_suffix(suffix)
-            return name[: -len(suffix)], {k: v for k, v in storage.options().items() if k in _SUFFIX_SETS and v}
-    return name, {}
+    base, colon, suffix = name.partition(":")
+    if not colon:
+        return name, {}
+    try:  # any suffix KVStorage reads (":k4v2w8c64" too), not only the swept ones
+        storage = KVStorage.from_suffix(colon + suffix)
+    except ValueError:
+        return name, {}
+    return base, {k: v for k, v in storage.options().items() if k in _SUFFIX_SETS and v}
 
 
 _SUFFIX_SETS = ("kv_bits", "window_bits", "key_group")  # what a suffix sets; the rest stay make_cache's defaults

@@ -19,6 +19,8 @@ def test_storage_suffix_names():
     assert bcaches.split_storage("default:q8") == ("default", {"kv_bits": 8})
     assert bcaches.split_storage("rkv:q4") == ("rkv", {"kv_bits": 4}) and bcaches.split_storage("rkv") == ("rkv", {})
     assert bcaches.split_storage("rkv:q4w8") == ("rkv", {"kv_bits": 4, "window_bits": 8})
+    # any suffix the storage reads, not only the swept ones
+    assert bcaches.split_storage("default:k4v2w8c64") == ("default", {"kv_bits": (4, 2), "window_bits": 8, "key_group": 64})
     assert bcaches.parse_names("default:q8,rkv:q4") == ["kvcache", "default:q8", "rkv:q4"]
     assert bcaches.takes_budget("h2o:q8") and not bcaches.takes_budget("full:q4")
     for bad in ("quantized8:q8", "rotating:q4", "nope:q8", "default:q3"):
