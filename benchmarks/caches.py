@@ -166,6 +166,8 @@ def entries_within(model: nn.Module, name: str, fraction: float, context: int, s
         model(mx.zeros((1, budget + 1), dtype=mx.int32), cache=caches)  # the patch feeds it in chunks that fit
         return kv_bytes_16bit(caches, bound=True) <= limit
 
+    if not _known(name):  # an error, not a budget that fits (fits() reads a ValueError as "too small to run")
+        raise ValueError(f"unknown cache {name!r}; choose one of: {', '.join(cache_names())}")
     if fits(context):
         return context
     lo, hi = 1, context  # fits(lo) is assumed (one entry), fits(hi) is false

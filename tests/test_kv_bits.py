@@ -106,3 +106,8 @@ def test_storage_step_times_every_mode(capsys):
     rows = [line.split("|") for line in out if line.startswith("| ") and not line.startswith("| storage")]
     assert [r[1].strip() for r in rows] == list(storage_step.MODES)
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+
+
+def test_entries_within_refuses_an_unknown_cache(model):
+    with pytest.raises(ValueError, match="unknown cache 'default:zz'"):
+        bcaches.entries_within(model, "default:zz", 0.25, 256, bcaches.CacheSettings())
