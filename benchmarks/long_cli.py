@@ -67,7 +67,7 @@ def long_config(args: argparse.Namespace) -> Any:
     quick = dict(lengths=(512,), kinds=("passkeys", "reasoning"), fidelity_texts=1, fidelity_length=512, fidelity_scored=64,
                  policies=("default", "window"),
                  compress_policies=("default",), token_fractions=(0.25,), memory_fractions=(0.25,),
-                 variants=("kivi-k5v3",), baselines=("quantized4",)) if args.quick else {}  # fmt: skip
+                 variants=(), baselines=("quantized4",)) if args.quick else {}  # fmt: skip
     given = dict(
         lengths=args.lengths or ((1024, 2048, 4096, 8192) if args.long else None),
         fidelity_texts=args.fidelity_texts, instances=args.instances, kinds=args.kinds, compress_policies=args.compress_policies,
