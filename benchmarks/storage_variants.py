@@ -158,6 +158,8 @@ class SimulatedStorageCache(EvictingKVCache):
         self.done = 0  # positions below this have left the window and hold their stored precision
 
     low = property(lambda self: self.storage.low, doc="``(B, H, C)`` True where an entry is in the low tier.")
+    # Demotion scores entries long before any eviction, so every query is kept for the policy.
+    first_query_read = -1
 
     # ---- the step ----------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
