@@ -11,7 +11,9 @@ import mlxevict
 from benchmarks import storage_variants as sv
 from mlxevict import EvictingKVCache, make_cache
 from mlxevict.budget import storage_nbytes
-from mlxevict.channel_storage import ChannelStorage, channel_quantize, pack_codes, unpack_codes
+from mlxevict.channel_attention import channel_decode_attention, channel_decode_attention_compiled
+from mlxevict.channel_codes import channel_dequantize, pack_planes, unpack_codes, unpack_planes
+from mlxevict.channel_storage import ChannelStorage, channel_quantize
 from mlxevict.kvstorage import FLAGS, KVStorage
 from mlxevict.plan import memory_storage, plan_cache
 from mlxevict.budget import parse_budget
@@ -27,24 +29,30 @@ def model64(**overrides):
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-def test_codes_pack_as_mx_quantize_packs_them(bits):
+def test_codes_unpack_as_mx_quantize_packs_them(bits):
     """The storage reads mx.quantize's codes by unpacking its words: the layouts must agree."""
     x = mx.random.normal((2, 3, 128), key=mx.random.key(bits))
     packed, scales, biases = mx.quantize(x, group_size=64, bits=bits)
     codes = unpack_codes(packed, bits)
     assert int(codes.max().item()) < 2**bits
-    assert mx.array_equal(pack_codes(codes, bits), packed).item()
     ours = codes.reshape(2, 3, 2, 64).astype(mx.float32) * scales[..., None] + biases[..., None]
     assert mx.array_equal(
         ours.reshape(2, 3, 128), mx.dequantize(packed, scales, biases, group_size=64, bits=bits)
     ).item()
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7])
+def test_bit_planes_round_trip_every_code(bits):
+    codes = mx.random.randint(0, 2**bits, (2, 3, 5, 64), key=mx.random.key(bits)).astype(mx.uint32)
+    planes = pack_planes(codes, bits)
+    assert planes.shape == (2, 3, 5, 64 * bits // 32) and planes.dtype == mx.uint32
+    assert mx.array_equal(unpack_planes(planes, bits), codes).item()
+
+
 def test_channel_quantize_equals_the_simulated_fake_quantization():
     x = mx.random.normal((1, 2, 128, D), key=mx.random.key(3)) * mx.linspace(0.1, 8, D)  # outlier channels
     codes, scales, biases = channel_quantize(x, 5, 64)
     rows = mx.broadcast_to((mx.arange(128) // 64).astype(mx.uint16), (1, 2, 128))
-    from mlxevict.channel_storage import channel_dequantize
 
     ours = channel_dequantize(codes, rows, scales, biases, 5)
     sim = mx.concatenate([sv.fake_quant_channels(x[..., i : i + 64, :], 5) for i in (0, 64)], axis=2)
@@ -100,14 +108,16 @@ def test_attention_equals_attention_over_the_dequantized_entries(mask):
     run_chunks(model, real, random_tokens(300), [32] * 9 + [1] * 12)
     c, storage = real[0], real[0].storage
     n_quant = c.size() - storage.n_full
-    (q_keys, held_keys), (q_values, held_values) = storage.fetch(c.size())
-    codes, rows, table_s, table_b = storage.keys
-    idx = rows[..., :n_quant, None].astype(mx.int32)
-    ref_k = unpack_codes(codes[..., :n_quant, :], 5).astype(mx.float32) * mx.take_along_axis(table_s, idx, axis=2)
-    ref_k = ref_k + mx.take_along_axis(table_b, idx, axis=2)
-    assert mx.array_equal(q_keys, ref_k).item() and n_quant > 0 and held_keys.shape[2] == storage.n_full
+    keys_in, values_in = storage.fetch(c.size())
+    (codes, rows, table_s, table_b), held = keys_in
+    idx = rows[..., None].astype(mx.int32)
+    q_keys = unpack_planes(codes, 5).astype(mx.float32) * mx.take_along_axis(table_s, idx, axis=2)
+    q_keys = q_keys + mx.take_along_axis(table_b, idx, axis=2)
+    assert n_quant > 0 and codes.shape[2] == n_quant and held[0].shape[2] == storage.n_full
     R = rotation_matrix(D)
-    ref_v = mx.dequantize(*q_values, group_size=D, bits=3) @ R.T
+    held_keys = mx.dequantize(*held, group_size=D, bits=8)  # rotate_held=False: as they came
+    held_values = mx.dequantize(*values_in[1], group_size=D, bits=8)
+    ref_v = mx.dequantize(*values_in[0], group_size=D, bits=3) @ R.T
     keys = mx.concatenate([q_keys, held_keys], axis=2)  # B, H, N, D
     values = mx.concatenate([ref_v, held_values], axis=2)
     assert mx.allclose(c.dense_keys[..., : c.size(), :], keys).item()
@@ -118,9 +128,30 @@ def test_attention_equals_attention_over_the_dequantized_entries(mask):
         if mask == "array"
         else mask
     )
-    got = storage.attend(queries, (q_keys, held_keys), (q_values, held_values), D**-0.5, m)
+    got = storage.attend(queries, keys_in, values_in, D**-0.5, m)
     expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=D**-0.5, mask=m)
     assert mx.allclose(got, expected, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("storage", [dict(), dict(rotate_held=False), dict(kv_rotate=False), dict(kv_bits=(3, 4))])
+def test_decode_attention_equals_attention_over_dense_entries(storage):
+    """The decode kernel (nothing dequantized), its compiled twin, and the dense path (the model's fused
+    attention over dequantized entries, taken with an all-true mask) agree."""
+    model = model64(layers=1)
+    caches = [EvictingKVCache("default", 240, storage=ChannelStorage(**{"kv_bits": (5, 3), **storage}))]
+    mlxevict.patch(model)
+    run_chunks(model, caches, random_tokens(400), [40] * 6 + [1] * 150)
+    c, st = caches[0], caches[0].storage
+    keys, values = st.fetch(c.size())
+    n_quant, table_rows = keys[0][1].shape[2], keys[0][2].shape[2]
+    assert c.evictions > 0 and n_quant > 0 and table_rows > 1 and st.n_full > 0
+    queries = mx.random.normal((1, 4, 1, D), key=mx.random.key(5))
+    dense = st.attend(queries, keys, values, D**-0.5, mx.ones((1, c.size()), mx.bool_))
+    rotation = st._value_rotation(mx.float32)
+    args = (queries, keys, values, rotation, D**-0.5, st.kv_group_size, (st.key_bits, st.value_bits, 8), st.rotate_held)
+    plain, compiled = channel_decode_attention(*args), channel_decode_attention_compiled(*args)
+    assert mx.allclose(plain, dense, atol=1e-5).item() and mx.allclose(compiled, plain, atol=1e-6).item()
+    assert mx.array_equal(st.attend(queries, keys, values, D**-0.5, None), compiled).item()
 
 
 @pytest.mark.parametrize("policy", ["default", "window", "h2o", "random"])
