@@ -42,7 +42,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from .channel_attention import channel_decode_attention_compiled, decodes_here
-from .channel_codes import WORD, channel_dequantize, channel_quantize, pack_planes, unpack_planes  # noqa: F401
+from .channel_codes import WORD, channel_dequantize, channel_quantize, pack_planes, unpack_codes
 from .dense_storage import fit_slots
 from .kernels import PROTECTED
 from .kvstorage import DEFAULT_GROUP_SIZE, ROW_RESERVE, KVBits, check, key_value_bits
@@ -93,6 +93,7 @@ class ChannelStorage:
         self.fp_values: Optional[tuple[mx.array, ...]] = None
         self.n_full = 0  # held tokens (newest slots): the window and the unfinished key group
         self.compacted = False  # a compaction ran since the table was last collected
+        self.mx_quantize_codes = False  # a loaded state's codes are in mx.quantize's layout (see ``state``)
 
     @property
     def held(self) -> int:
@@ -356,6 +357,9 @@ class ChannelStorage:
         if v[0] is None:
             return
         self.keys, self.fp_keys = tuple(v[0][:4]), tuple(v[0][4:])
+        if self.mx_quantize_codes:  # saved before the bit planes (mlxevict <= f73bfc2): repack once
+            self.keys = (pack_planes(unpack_codes(self.keys[0], self.key_bits), self.key_bits), *self.keys[1:])
+            self.mx_quantize_codes = False
         self.values, self.fp_values = tuple(v[1][:3]), tuple(v[1][3:])
 
     def meta(self) -> dict[str, Any]:
@@ -369,6 +373,7 @@ class ChannelStorage:
             "window_bits": self.window_bits,
             "compacted": self.compacted,
             "rotate_held": self.rotate_held,
+            "key_planes": True,
         }
 
     @classmethod
@@ -383,4 +388,5 @@ class ChannelStorage:
             rotate_held=meta["rotate_held"],
         )
         storage.n_full, storage.compacted = meta["n_full"], meta["compacted"]
+        storage.mx_quantize_codes = not meta.get("key_planes", False)
         return storage

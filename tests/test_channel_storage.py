@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from tiny_models import random_tokens, run_chunks, tiny_model
@@ -24,6 +27,16 @@ D = 64  # the simulation quantizes per token in groups of 64 channels
 KIVI = dict(kv_bits=(5, 3), kv_group_size=D, window_bits=8, key_group=64)
 
 
+def mx_quantize_layout(codes: mx.array, bits: int) -> mx.array:
+    """``(..., D)`` codes packed LSB first into ``uint32`` words, as ``mx.quantize`` packs them (a plain reference)."""
+    c = np.array(codes, dtype=np.uint64).reshape(-1, codes.shape[-1])
+    words = []
+    for row in c:
+        stream = sum(int(v) << (bits * d) for d, v in enumerate(row))
+        words.append([(stream >> (32 * w)) & 0xFFFFFFFF for w in range(len(row) * bits // 32)])
+    return mx.array(np.array(words, dtype=np.uint32)).reshape(*codes.shape[:-1], -1)
+
+
 def model64(**overrides):
     return tiny_model("llama", head_dim=D, hidden_size=128, **overrides)
 
@@ -35,6 +48,7 @@ def test_codes_unpack_as_mx_quantize_packs_them(bits):
     packed, scales, biases = mx.quantize(x, group_size=64, bits=bits)
     codes = unpack_codes(packed, bits)
     assert int(codes.max().item()) < 2**bits
+    assert mx.array_equal(mx_quantize_layout(codes, bits), packed).item()
     ours = codes.reshape(2, 3, 2, 64).astype(mx.float32) * scales[..., None] + biases[..., None]
     assert mx.array_equal(
         ours.reshape(2, 3, 128), mx.dequantize(packed, scales, biases, group_size=64, bits=bits)
@@ -217,6 +231,28 @@ def test_save_and_load_continue_identically(policy, tmp_path):
     expected = run_chunks(model, caches, tokens[350:], rest)
     got = run_chunks(model, loaded, tokens[350:], rest)
     assert mx.array_equal(got, expected).item()
+
+
+def test_a_cache_saved_with_mx_quantize_codes_loads_and_continues_identically():
+    """States saved before the bit planes hold the codes in mx.quantize's layout: loading repacks them."""
+    model = model64()
+    caches = make_cache(model, "default", 200, **KIVI)
+    tokens = random_tokens(300)
+    run_chunks(model, caches, tokens, [40] * 5 + [1] * 50)
+    old = []
+    for c in caches:
+        state = list(c.state)
+        meta = json.loads(state[6])
+        del meta["key_planes"]
+        codes = state[0][0]
+        state[0] = (mx_quantize_layout(unpack_planes(codes, 5), 5), *state[0][1:])
+        state[6] = json.dumps(meta)
+        loaded = EvictingKVCache.__new__(EvictingKVCache)
+        loaded.state = tuple(state)
+        assert mx.array_equal(loaded.storage.keys[0], codes).item()
+        old.append(loaded)
+    rest = [1] * 30
+    assert mx.array_equal(run_chunks(model, old, tokens[250:], rest), run_chunks(model, caches, tokens[250:], rest)).item()
 
 
 @pytest.mark.parametrize(
