@@ -7,9 +7,10 @@ where ``mx.quantize``'s layout needs gathers) and scaled by their table rows, ke
 bit-identical to the simulation's and the prompt path's (folding the scales into
 the query instead, ``(q∘s_r)·c + q·b_r``, saved 0.05 ms a layer but rounds
 differently, enough to move a 3-bit code on a later token of
-``tests/test_channel_storage.py``'s decode). The 8-bit held rows and the quantized
-values are read by quantized matmuls, the held keys with the query rotated
-(``(qR)·(kR) = q·k``) when they are stored rotated; nothing else is dequantized.
+``tests/test_channel_storage.py``'s decode). The quantized values are dequantized in
+the kernel too (bit planes, :func:`~mlxevict.channel_codes.token_dequantize`: faster than
+``mx.quantized_matmul`` at 3 bits on the CPU). The 8-bit held rows are read by quantized
+matmuls, the held keys with the query rotated (``(qR)·(kR) = q·k``) when they are stored rotated.
 
 Shapes: ``B`` batch, ``H`` kv-heads, ``G`` query heads per kv-head, ``N`` quantized
 slots, ``F`` held slots, ``T`` table rows, ``D`` head dim, ``Dv`` value dim; one query.
@@ -21,7 +22,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .channel_codes import channel_dequantize
+from .channel_codes import channel_dequantize, token_dequantize
 
 
 def channel_scores(queries: mx.array, codes: mx.array, rows: mx.array, scales: mx.array, biases: mx.array,
@@ -64,8 +65,8 @@ def channel_decode_attention(
         keys: ``((codes, rows, scales, biases), held)``: the ``N`` quantized slots as
             :meth:`ChannelStorage.fetch` returns them (``N ≥ 1``), then the ``F ≥ 1`` held keys,
             an ``mx.quantize`` triple.
-        values: ``(quantized, held)``: ``mx.quantize`` triples of the ``N`` values (rotated, with a
-            rotation) and of the ``F`` held ones.
+        values: ``(quantized, held)``: the ``N`` values' (codes in bit planes, scales, biases), rotated
+            with a rotation, and the ``F`` held ones' ``mx.quantize`` triple.
         rotation: ``(Dv, Dv)`` the values' rotation (and the held keys', with ``held_rotated``), or ``None``.
         scale: the attention scale.
         group_size: channels per scale of the per-token triples.
@@ -92,7 +93,8 @@ def channel_decode_attention(
     )
     probs = mx.softmax(scores, axis=-1, precise=True)
     N = quantized_keys[0].shape[2]
-    out = _qmm(probs[..., :N], quantized_values, False, group_size, value_bits)  # B, H, G, 1, Dv
+    dense_values = token_dequantize(*quantized_values, value_bits, group_size).astype(q.dtype)  # B, H, N, Dv
+    out = probs[..., :N] @ mx.expand_dims(dense_values, 2)  # B, H, G, 1, Dv
     held_out = _qmm(probs[..., N:], held_values, False, group_size, held_bits)
     if rotation is None:
         out = out + held_out

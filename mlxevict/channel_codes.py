@@ -11,8 +11,10 @@ takes gathers: 0.25 ms for a layer's 192 slots on the CPU, more than the decode 
 mlx-lm's 4-bit cache. So a row is stored in **bit planes** instead (:func:`pack_planes`):
 the codes' low 4 bits, 8 per word, then their next 2 bits, 16 per word, then 1 bit, 32 per
 word, as far as ``bits`` needs (5 = 4 + 1, 3 = 2 + 1, 6 = 4 + 2); the same words per row,
-and :func:`unpack_planes` is shifts and masks only (0.07 ms;
-``python -m mlxevict.benchmarks.channel_step`` measures the whole decode step).
+and :func:`unpack_planes` is shifts and masks only (0.07 ms). The values, quantized per
+token by ``mx.quantize``, are stored in bit planes too (:func:`token_dequantize`): dequantized
+and multiplied in one compiled kernel they cost less than ``mx.quantized_matmul`` at 3 bits
+(0.10 against 0.16 ms), with the same numbers as ``mx.dequantize``.
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ def unpack_planes(words: mx.array, bits: int) -> mx.array:
     return codes
 
 
+def planes_of(words: mx.array, bits: int) -> mx.array:
+    """``mx.quantize``'s words ``(..., D·bits/32)`` (codes along the last axis) → the same codes in bit planes."""
+    return pack_planes(unpack_codes(words, bits), bits)
+
+
 def channel_quantize(x: mx.array, bits: int, group: int) -> tuple[mx.array, mx.array, mx.array]:
     """Quantize ``(B, H, n·G, D)`` keys per channel over each group of ``G`` tokens, with ``mx.quantize``'s rule.
 
@@ -93,6 +100,15 @@ def channel_quantize(x: mx.array, bits: int, group: int) -> tuple[mx.array, mx.a
     # Unpack mx.quantize's words along the tokens, repack the codes along the channels.
     codes = unpack_codes(packed, bits).swapaxes(-1, -2).reshape(B, H, N, D)
     return pack_planes(codes, bits), scales[..., 0], biases[..., 0]
+
+
+def token_dequantize(words: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
+    """``mx.dequantize`` of per-token codes stored in bit planes: ``(..., D·bits/32)`` words and
+    ``(..., D/group_size)`` scales and biases → ``(..., D)``."""
+    codes = unpack_planes(words, bits).astype(scales.dtype)
+    *lead, D = codes.shape
+    groups = codes.reshape(*lead, D // group_size, group_size)
+    return (groups * scales[..., None] + biases[..., None]).reshape(*lead, D)
 
 
 def channel_dequantize(packed: mx.array, rows: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.array:

@@ -17,7 +17,7 @@ window, it is quantized **once** and never again, whatever is evicted later:
   ``mx.quantize``'s); both move with the slot through compaction;
 - the table keeps the rows of live groups only: after a compaction, rows no slot
   uses are dropped (the next write collects them);
-- values are ``mx.quantize``'s packed words, scales and biases per slot.
+- values are ``mx.quantize``'s codes (in bit planes, as the keys'), scales and biases per slot.
 
 So the bytes held are the packed codes, the row ids, the live table, the values
 and the 8-bit part; :attr:`ChannelStorage.nbytes` counts exactly those arrays.
@@ -42,7 +42,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from .channel_attention import channel_decode_attention_compiled, decodes_here
-from .channel_codes import WORD, channel_dequantize, channel_quantize, pack_planes, unpack_codes
+from .channel_codes import WORD, channel_dequantize, channel_quantize, planes_of, token_dequantize
 from .dense_storage import fit_slots
 from .kernels import PROTECTED
 from .kvstorage import DEFAULT_GROUP_SIZE, ROW_RESERVE, KVBits, check, key_value_bits
@@ -209,7 +209,9 @@ class ChannelStorage:
         rotation = self._value_rotation(dense_v.dtype)
         if rotation is not None and not self.rotate_held:
             dense_v = dense_v @ rotation
-        for x, p in zip(self.values, mx.quantize(dense_v, group_size=self.kv_group_size, bits=self.value_bits)):
+        words, v_scales, v_biases = mx.quantize(dense_v, group_size=self.kv_group_size, bits=self.value_bits)
+        words = planes_of(words, self.value_bits)
+        for x, p in zip(self.values, (words, v_scales, v_biases)):
             x[..., slot : slot + done, :] = p
 
     def _oldest(self, held: tuple[mx.array, ...], fresh: list[mx.array], n_held: int, done: int) -> mx.array:
@@ -278,7 +280,7 @@ class ChannelStorage:
         dense_k, dense = held_k[..., :0, :], held_v[..., :0, :]
         if n_quant:  # (mx.dequantize cannot take zero rows)
             dense_k = channel_dequantize(*keys[0], self.key_bits)
-            dense = mx.dequantize(*values[0], group_size=self.kv_group_size, bits=self.value_bits)
+            dense = token_dequantize(*values[0], self.value_bits, self.kv_group_size)
         if self.rotate_held:  # both rotated: rotate back once
             dense_v = mx.concatenate([dense, held_v], axis=2) @ rotation.T
         else:
@@ -357,10 +359,11 @@ class ChannelStorage:
         if v[0] is None:
             return
         self.keys, self.fp_keys = tuple(v[0][:4]), tuple(v[0][4:])
-        if self.mx_quantize_codes:  # saved before the bit planes (mlxevict <= f73bfc2): repack once
-            self.keys = (pack_planes(unpack_codes(self.keys[0], self.key_bits), self.key_bits), *self.keys[1:])
-            self.mx_quantize_codes = False
         self.values, self.fp_values = tuple(v[1][:3]), tuple(v[1][3:])
+        if self.mx_quantize_codes:  # saved before the bit planes (mlxevict <= f73bfc2): repack once
+            self.keys = (planes_of(self.keys[0], self.key_bits), *self.keys[1:])
+            self.values = (planes_of(self.values[0], self.value_bits), *self.values[1:])
+            self.mx_quantize_codes = False
 
     def meta(self) -> dict[str, Any]:
         return {

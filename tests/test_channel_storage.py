@@ -15,7 +15,14 @@ from benchmarks import storage_variants as sv
 from mlxevict import EvictingKVCache, make_cache
 from mlxevict.budget import storage_nbytes
 from mlxevict.channel_attention import channel_decode_attention, channel_decode_attention_compiled
-from mlxevict.channel_codes import channel_dequantize, pack_planes, unpack_codes, unpack_planes
+from mlxevict.channel_codes import (
+    channel_dequantize,
+    pack_planes,
+    planes_of,
+    token_dequantize,
+    unpack_codes,
+    unpack_planes,
+)
 from mlxevict.channel_storage import ChannelStorage, channel_quantize
 from mlxevict.kvstorage import FLAGS, KVStorage
 from mlxevict.plan import memory_storage, plan_cache
@@ -61,6 +68,14 @@ def test_bit_planes_round_trip_every_code(bits):
     planes = pack_planes(codes, bits)
     assert planes.shape == (2, 3, 5, 64 * bits // 32) and planes.dtype == mx.uint32
     assert mx.array_equal(unpack_planes(planes, bits), codes).item()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
+def test_values_in_bit_planes_dequantize_as_mx_dequantize(bits):
+    x = mx.random.normal((2, 3, 7, 128), key=mx.random.key(bits))
+    words, scales, biases = mx.quantize(x, group_size=64, bits=bits)
+    expected = mx.dequantize(words, scales, biases, group_size=64, bits=bits)
+    assert mx.array_equal(token_dequantize(planes_of(words, bits), scales, biases, bits, 64), expected).item()
 
 
 def test_channel_quantize_equals_the_simulated_fake_quantization():
@@ -131,7 +146,8 @@ def test_attention_equals_attention_over_the_dequantized_entries(mask):
     R = rotation_matrix(D)
     held_keys = mx.dequantize(*held, group_size=D, bits=8)  # rotate_held=False: as they came
     held_values = mx.dequantize(*values_in[1], group_size=D, bits=8)
-    ref_v = mx.dequantize(*values_in[0], group_size=D, bits=3) @ R.T
+    words, v_scales, v_biases = values_in[0]
+    ref_v = mx.dequantize(mx_quantize_layout(unpack_planes(words, 3), 3), v_scales, v_biases, group_size=D, bits=3) @ R.T
     keys = mx.concatenate([q_keys, held_keys], axis=2)  # B, H, N, D
     values = mx.concatenate([ref_v, held_values], axis=2)
     assert mx.allclose(c.dense_keys[..., : c.size(), :], keys).item()
@@ -244,12 +260,14 @@ def test_a_cache_saved_with_mx_quantize_codes_loads_and_continues_identically():
         state = list(c.state)
         meta = json.loads(state[6])
         del meta["key_planes"]
-        codes = state[0][0]
+        codes, words = state[0][0], state[1][0]
         state[0] = (mx_quantize_layout(unpack_planes(codes, 5), 5), *state[0][1:])
+        state[1] = (mx_quantize_layout(unpack_planes(words, 3), 3), *state[1][1:])
         state[6] = json.dumps(meta)
         loaded = EvictingKVCache.__new__(EvictingKVCache)
         loaded.state = tuple(state)
         assert mx.array_equal(loaded.storage.keys[0], codes).item()
+        assert mx.array_equal(loaded.storage.values[0], words).item()
         old.append(loaded)
     rest = [1] * 30
     assert mx.array_equal(run_chunks(model, old, tokens[250:], rest), run_chunks(model, caches, tokens[250:], rest)).item()
