@@ -163,11 +163,14 @@ def test_attention_equals_attention_over_the_dequantized_entries(mask):
     assert mx.allclose(got, expected, atol=1e-5).item()
 
 
-@pytest.mark.parametrize("storage", [dict(), dict(rotate_held=False), dict(kv_rotate=False), dict(kv_bits=(3, 4))])
-def test_decode_attention_equals_attention_over_dense_entries(storage):
-    """The decode kernel (nothing dequantized), its compiled twin, and the dense path (the model's fused
-    attention over dequantized entries, taken with an all-true mask) agree."""
-    model = model64(layers=1)
+@pytest.mark.parametrize(
+    "storage, dim",
+    [(dict(), D), (dict(rotate_held=False), D), (dict(kv_rotate=False), D), (dict(kv_bits=(3, 4)), D), (dict(), 128)],
+)
+def test_decode_attention_equals_attention_over_dense_entries(storage, dim):
+    """The decode kernel, its compiled twin, and the dense path (the model's fused attention over
+    dequantized entries, taken with an all-true mask) agree."""
+    model = tiny_model("llama", layers=1, head_dim=dim, hidden_size=2 * dim)
     caches = [EvictingKVCache("default", 240, storage=ChannelStorage(**{"kv_bits": (5, 3), **storage}))]
     mlxevict.patch(model)
     run_chunks(model, caches, random_tokens(400), [40] * 6 + [1] * 150)
@@ -175,13 +178,13 @@ def test_decode_attention_equals_attention_over_dense_entries(storage):
     keys, values = st.fetch(c.size())
     n_quant, table_rows = keys[0][1].shape[2], keys[0][2].shape[2]
     assert c.evictions > 0 and n_quant > 0 and table_rows > 1 and st.n_full > 0
-    queries = mx.random.normal((1, 4, 1, D), key=mx.random.key(5))
-    dense = st.attend(queries, keys, values, D**-0.5, mx.ones((1, c.size()), mx.bool_))
+    queries, scale = mx.random.normal((1, 4, 1, dim), key=mx.random.key(5)), dim**-0.5
+    dense = st.attend(queries, keys, values, scale, mx.ones((1, c.size()), mx.bool_))
     rotation = st._value_rotation(mx.float32)
-    args = (queries, keys, values, rotation, D**-0.5, st.kv_group_size, (st.key_bits, st.value_bits, 8), st.rotate_held)
+    args = (queries, keys, values, rotation, scale, st.kv_group_size, (st.key_bits, st.value_bits, 8), st.rotate_held)
     plain, compiled = channel_decode_attention(*args), channel_decode_attention_compiled(*args)
     assert mx.allclose(plain, dense, atol=1e-5).item() and mx.allclose(compiled, plain, atol=1e-6).item()
-    assert mx.array_equal(st.attend(queries, keys, values, D**-0.5, None), compiled).item()
+    assert mx.array_equal(st.attend(queries, keys, values, scale, None), compiled).item()
 
 
 @pytest.mark.parametrize("policy", ["default", "window", "h2o", "random"])
