@@ -1,5 +1,5 @@
 """One decode step's attention over :class:`~mlxevict.channel_storage.ChannelStorage`: a plain reference and
-its compiled twin.
+a fast twin that dequantizes with compiled kernels.
 
 The keys quantized per channel are dequantized inside the kernel: their codes are
 unpacked from bit planes (:func:`mlxevict.channel_codes.unpack_planes`: shifts and masks,
@@ -18,15 +18,16 @@ slots, ``F`` held slots, ``T`` table rows, ``D`` head dim, ``Dv`` value dim; one
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import mlx.core as mx
 
-from .channel_codes import channel_dequantize, token_dequantize
+from .channel_codes import channel_dequantize, channel_dequantize_compiled, token_dequantize, token_dequantize_compiled
 
 
 def channel_scores(queries: mx.array, codes: mx.array, rows: mx.array, scales: mx.array, biases: mx.array,
-                   bits: int) -> mx.array:  # fmt: skip
+                   bits: int, dequantize=channel_dequantize) -> mx.array:  # fmt: skip
     """``q·k`` of one query per head over the keys quantized per channel.
 
     Args:
@@ -34,11 +35,12 @@ def channel_scores(queries: mx.array, codes: mx.array, rows: mx.array, scales: m
         codes: ``(B, H, N, D·bits/32)`` bit planes; rows: ``(B, H, N)`` each slot's table row.
         scales, biases: ``(B, H, T, D)`` the table.
         bits: the keys' bits.
+        dequantize: :func:`~mlxevict.channel_codes.channel_dequantize` or its compiled twin.
 
     Returns:
         ``(B, H, G, 1, N)``, in the queries' dtype.
     """
-    k = channel_dequantize(codes, rows, scales, biases, bits).astype(queries.dtype)  # B, H, N, D
+    k = dequantize(codes, rows, scales, biases, bits).astype(queries.dtype)  # B, H, N, D
     return queries @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # B, H, G, 1, N
 
 
@@ -57,6 +59,7 @@ def channel_decode_attention(
     group_size: int,
     bits: tuple[int, int, int],
     held_rotated: bool,
+    dequantize: tuple = (channel_dequantize, token_dequantize),
 ) -> mx.array:
     """Attention of one query per head over a channel storage's entries, one softmax.
 
@@ -72,6 +75,8 @@ def channel_decode_attention(
         group_size: channels per scale of the per-token triples.
         bits: ``(key bits, value bits, held bits)``.
         held_rotated: the held rows are stored rotated.
+        dequantize: the keys' and the values' dequantization (plain, or compiled in
+            :data:`channel_decode_attention_fast`).
 
     Returns:
         ``(B, H*G, 1, Dv)`` in the queries' dtype.
@@ -86,14 +91,14 @@ def channel_decode_attention(
     q_held = q @ rotation if held_rotated else q
     scores = mx.concatenate(
         [
-            channel_scores(q, *quantized_keys, key_bits),  # B, H, G, 1, N
+            channel_scores(q, *quantized_keys, key_bits, dequantize[0]),  # B, H, G, 1, N
             _qmm(q_held, held_keys, True, group_size, held_bits),  # B, H, G, 1, F
         ],
         axis=-1,
     )
     probs = mx.softmax(scores, axis=-1, precise=True)
     N = quantized_keys[0].shape[2]
-    dense_values = token_dequantize(*quantized_values, value_bits, group_size).astype(q.dtype)  # B, H, N, Dv
+    dense_values = dequantize[1](*quantized_values, value_bits, group_size).astype(q.dtype)  # B, H, N, Dv
     out = probs[..., :N] @ mx.expand_dims(dense_values, 2)  # B, H, G, 1, Dv
     held_out = _qmm(probs[..., N:], held_values, False, group_size, held_bits)
     if rotation is None:
@@ -105,7 +110,10 @@ def channel_decode_attention(
     return out.reshape(B, HG, 1, -1)
 
 
-channel_decode_attention_compiled = mx.compile(channel_decode_attention)
+# The held rows change shape at every step: compiling the whole step would retrace it each time.
+channel_decode_attention_fast = partial(
+    channel_decode_attention, dequantize=(channel_dequantize_compiled, token_dequantize_compiled)
+)
 
 
 def decodes_here(queries: mx.array, mask: Optional[object], n_quant: int, n_held: int) -> bool:

@@ -118,3 +118,9 @@ def channel_dequantize(packed: mx.array, rows: mx.array, scales: mx.array, biase
     s = mx.take_along_axis(scales, idx, axis=2)  # B, H, N, D
     b = mx.take_along_axis(biases, idx, axis=2)
     return unpack_planes(packed, bits).astype(scales.dtype) * s + b
+
+
+# Compiled twins for the decode step, whose shapes change only when a group completes or the cache compacts
+# (a kernel over the held rows too would retrace at every step: slower than none, measured).
+channel_dequantize_compiled = mx.compile(channel_dequantize)
+token_dequantize_compiled = mx.compile(token_dequantize)

@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from .channel_attention import channel_decode_attention_compiled, decodes_here
+from .channel_attention import channel_decode_attention_fast, decodes_here
 from .channel_codes import WORD, channel_dequantize, channel_quantize, planes_of, token_dequantize
 from .dense_storage import fit_slots
 from .kernels import PROTECTED
@@ -270,7 +270,7 @@ class ChannelStorage:
         rotation = self._value_rotation(queries.dtype)
         if decodes_here(queries, mask, n_quant, n_held):
             bits = (self.key_bits, self.value_bits, HELD_BITS)
-            return channel_decode_attention_compiled(
+            return channel_decode_attention_fast(
                 queries, keys, values, rotation, scale, self.kv_group_size, bits, self.rotate_held
             )
         # Dense keys and values (the values rotated back) and the model's fused attention.

@@ -14,12 +14,14 @@ import mlxevict
 from benchmarks import storage_variants as sv
 from mlxevict import EvictingKVCache, make_cache
 from mlxevict.budget import storage_nbytes
-from mlxevict.channel_attention import channel_decode_attention, channel_decode_attention_compiled
+from mlxevict.channel_attention import channel_decode_attention, channel_decode_attention_fast
 from mlxevict.channel_codes import (
     channel_dequantize,
+    channel_dequantize_compiled,
     pack_planes,
     planes_of,
     token_dequantize,
+    token_dequantize_compiled,
     unpack_codes,
     unpack_planes,
 )
@@ -75,7 +77,9 @@ def test_values_in_bit_planes_dequantize_as_mx_dequantize(bits):
     x = mx.random.normal((2, 3, 7, 128), key=mx.random.key(bits))
     words, scales, biases = mx.quantize(x, group_size=64, bits=bits)
     expected = mx.dequantize(words, scales, biases, group_size=64, bits=bits)
-    assert mx.array_equal(token_dequantize(planes_of(words, bits), scales, biases, bits, 64), expected).item()
+    planes = planes_of(words, bits)
+    assert mx.array_equal(token_dequantize(planes, scales, biases, bits, 64), expected).item()
+    assert mx.array_equal(token_dequantize_compiled(planes, scales, biases, bits, 64), expected).item()
 
 
 def test_channel_quantize_equals_the_simulated_fake_quantization():
@@ -84,6 +88,7 @@ def test_channel_quantize_equals_the_simulated_fake_quantization():
     rows = mx.broadcast_to((mx.arange(128) // 64).astype(mx.uint16), (1, 2, 128))
 
     ours = channel_dequantize(codes, rows, scales, biases, 5)
+    assert mx.array_equal(channel_dequantize_compiled(codes, rows, scales, biases, 5), ours).item()
     sim = mx.concatenate([sv.fake_quant_channels(x[..., i : i + 64, :], 5) for i in (0, 64)], axis=2)
     assert mx.array_equal(ours, sim).item()
 
@@ -168,7 +173,7 @@ def test_attention_equals_attention_over_the_dequantized_entries(mask):
     [(dict(), D), (dict(rotate_held=False), D), (dict(kv_rotate=False), D), (dict(kv_bits=(3, 4)), D), (dict(), 128)],
 )
 def test_decode_attention_equals_attention_over_dense_entries(storage, dim):
-    """The decode kernel, its compiled twin, and the dense path (the model's fused attention over
+    """The decode kernel, its twin with compiled dequantization, and the dense path (the model's fused attention over
     dequantized entries, taken with an all-true mask) agree."""
     model = tiny_model("llama", layers=1, head_dim=dim, hidden_size=2 * dim)
     caches = [EvictingKVCache("default", 240, storage=ChannelStorage(**{"kv_bits": (5, 3), **storage}))]
@@ -182,7 +187,7 @@ def test_decode_attention_equals_attention_over_dense_entries(storage, dim):
     dense = st.attend(queries, keys, values, scale, mx.ones((1, c.size()), mx.bool_))
     rotation = st._value_rotation(mx.float32)
     args = (queries, keys, values, rotation, scale, st.kv_group_size, (st.key_bits, st.value_bits, 8), st.rotate_held)
-    plain, compiled = channel_decode_attention(*args), channel_decode_attention_compiled(*args)
+    plain, compiled = channel_decode_attention(*args), channel_decode_attention_fast(*args)
     assert mx.allclose(plain, dense, atol=1e-5).item() and mx.allclose(compiled, plain, atol=1e-6).item()
     assert mx.array_equal(st.attend(queries, keys, values, scale, None), compiled).item()
 
