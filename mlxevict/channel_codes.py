@@ -41,7 +41,7 @@ def _layout(bits: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
 
 
 def unpack_codes(words: mx.array, bits: int) -> mx.array:
-    """``mx.quantize``'s words ``(..., D * bits // 32)`` ``uint32`` (codes LSB first) → ``(..., D)`` ``uint32`` codes."""
+    """``mx.quantize``'s words ``(..., D * bits // 32)`` ``uint32`` (codes LSB first) → ``(..., D)`` codes."""
     *lead, W = words.shape
     word, shift, next_word, next_shift = _layout(bits)
     w = words.reshape(*lead, W // bits, bits)  # ..., D/32, bits
@@ -56,7 +56,8 @@ def plane_widths(bits: int) -> list[int]:
 
 
 def pack_planes(codes: mx.array, bits: int) -> mx.array:
-    """``(..., D)`` integer codes below ``2**bits`` → ``(..., D * bits // 32)`` ``uint32`` bit planes (``D % 32 == 0``)."""
+    """``(..., D)`` integer codes below ``2**bits`` → ``(..., D * bits // 32)`` ``uint32`` bit planes
+    (``D % 32 == 0``)."""
     *lead, D = codes.shape
     codes, planes, low = codes.astype(mx.uint32), [], 0
     for w in plane_widths(bits):

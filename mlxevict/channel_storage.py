@@ -250,7 +250,8 @@ class ChannelStorage:
         the held rows and the values ``mx.quantize`` triples."""
         n_quant, n = size - self.n_full, self.n_full
         codes, rows, table_s, table_b = self.keys
-        keys = (codes[..., :n_quant, :], rows[..., :n_quant], table_s, table_b), tuple(x[..., :n, :] for x in self.fp_keys)
+        quantized = (codes[..., :n_quant, :], rows[..., :n_quant], table_s, table_b)
+        keys = quantized, tuple(x[..., :n, :] for x in self.fp_keys)
         values = tuple(x[..., :n_quant, :] for x in self.values), tuple(x[..., :n, :] for x in self.fp_values)
         return keys, values
 
