@@ -246,8 +246,8 @@ class ChannelStorage:
 
     def fetch(self, size: int):
         """What :meth:`attend` reads of the ``size`` kept entries, as stored (slices, nothing computed):
-        ``(((codes, rows, table scales, table biases), held keys), (quantized values, held values))``,
-        the held rows and the values ``mx.quantize`` triples."""
+        ``(((codes, rows, table scales, table biases), held keys), (quantized values, held values))``:
+        key and value codes in bit planes, the held rows ``mx.quantize``'s 8-bit triples."""
         n_quant, n = size - self.n_full, self.n_full
         codes, rows, table_s, table_b = self.keys
         quantized = (codes[..., :n_quant, :], rows[..., :n_quant], table_s, table_b)
@@ -264,7 +264,7 @@ class ChannelStorage:
     def attend(self, queries, keys, values, scale, mask, sinks=None) -> mx.array:
         """Attention over what :meth:`fetch` returned, one softmax: ``(B, H*G, L, Dv)`` (the patched attention
         calls this). One query without a mask: :func:`~mlxevict.channel_attention.channel_decode_attention`
-        (nothing dequantized); else dense entries and the model's fused attention."""
+        (the held rows read quantized); else dense entries and the model's fused attention."""
         if sinks is not None:
             raise ValueError("quantized KV storage does not support attention sinks; use kv_bits=None")
         n_quant, n_held = keys[0][1].shape[2], keys[1][0].shape[2]
@@ -279,7 +279,7 @@ class ChannelStorage:
         if self.rotate_held:
             held_k = held_k @ rotation.T
         dense_k, dense = held_k[..., :0, :], held_v[..., :0, :]
-        if n_quant:  # (mx.dequantize cannot take zero rows)
+        if n_quant:
             dense_k = channel_dequantize(*keys[0], self.key_bits)
             dense = token_dequantize(*values[0], self.value_bits, self.kv_group_size)
         if self.rotate_held:  # both rotated: rotate back once
