@@ -12,12 +12,12 @@ a whole group of ``key_group`` positions (``[g·G, (g+1)·G)``) is older than th
 window, it is quantized **once** and never again, whatever is evicted later:
 
 - each slot holds its key's codes packed along the channel axis (``key_bits``
-  per channel, ``uint32`` words, :func:`mlxevict.channel_codes.pack_codes`) and the row of its group in
+  per channel, ``uint32`` words in bit planes, :func:`mlxevict.channel_codes.pack_planes`) and the row of its group in
   a table of per-(group, channel) scales and biases (model dtype, as
   ``mx.quantize``'s); both move with the slot through compaction;
 - the table keeps the rows of live groups only: after a compaction, rows no slot
   uses are dropped (the next write collects them);
-- values are ``mx.quantize``'s packed words, scales and biases per slot.
+- values are ``mx.quantize``'s codes (in bit planes, as the keys'), scales and biases per slot.
 
 So the bytes held are the packed codes, the row ids, the live table, the values
 and the 8-bit part; :attr:`ChannelStorage.nbytes` counts exactly those arrays.
@@ -25,11 +25,12 @@ A table row costs ``4·D`` bytes (16-bit scales) whether its group keeps 64
 entries or one: an eviction that leaves many groups thinly populated costs more
 than the budget's estimate (``key_group`` tokens per row), see docs/storage.md.
 
-Attention dequantizes a layer's keys into a dense ``(B, H, N, D)`` array (a
-transient copy, as the policies' ``dense_keys``); the quantized values are read
-by :func:`~mlxevict.quantized_attention.quantized_attention` in the rotated
-domain (a quantized matmul when decoding), the held values rotated to join them,
-and the output rotated back. This module reproduces
+A prompt chunk's attention dequantizes the keys and values into dense
+``(B, H, N, D)`` arrays (transient copies, as the policies' ``dense_keys``) and calls
+the model's fused attention; a decode step dequantizes nothing
+(:func:`~mlxevict.channel_attention.channel_decode_attention`: the query scaled per
+table row times the codes, quantized matmuls over the held rows and the values, in the
+rotated domain where they are stored rotated). This module reproduces
 ``benchmarks/storage_variants.py``'s simulated ``kivi-k5v3`` (fake quantization
 into a dense cache) with real storage, and is tested against it.
 """
@@ -40,11 +41,11 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from .channel_codes import WORD, channel_dequantize, channel_quantize, pack_codes, unpack_codes  # noqa: F401
+from .channel_attention import channel_decode_attention_fast, decodes_here
+from .channel_codes import WORD, channel_dequantize, channel_quantize, planes_of, token_dequantize
 from .dense_storage import fit_slots
 from .kernels import PROTECTED
 from .kvstorage import DEFAULT_GROUP_SIZE, ROW_RESERVE, KVBits, check, key_value_bits
-from .quantized_attention import quantized_attention
 from .quantized_storage import quantized_zeros
 from .rotation import rotation_matrix
 
@@ -92,6 +93,7 @@ class ChannelStorage:
         self.fp_values: Optional[tuple[mx.array, ...]] = None
         self.n_full = 0  # held tokens (newest slots): the window and the unfinished key group
         self.compacted = False  # a compaction ran since the table was last collected
+        self.mx_quantize_codes = False  # a loaded state's codes are in mx.quantize's layout (see ``state``)
 
     @property
     def held(self) -> int:
@@ -176,8 +178,11 @@ class ChannelStorage:
         if done:
             self._store_groups(fresh_k, fresh_v, n_held, done, start - n_held)
         for held, fresh in ((self.fp_keys, fresh_k), (self.fp_values, fresh_v)):
-            # The 8-bit rows that stay move to the front as they are (never quantized twice).
             for x, f in zip(held, fresh):
+                if not done:  # the usual decode step: append
+                    x[..., n_held : n_held + S, :] = f
+                    continue
+                # The 8-bit rows that stay move to the front as they are (never quantized twice).
                 rows = mx.concatenate([x[..., :n_held, :], f], axis=2)[..., done:, :]
                 x[..., : rows.shape[2], :] = rows
         self.n_full = n_held + S - done
@@ -204,7 +209,9 @@ class ChannelStorage:
         rotation = self._value_rotation(dense_v.dtype)
         if rotation is not None and not self.rotate_held:
             dense_v = dense_v @ rotation
-        for x, p in zip(self.values, mx.quantize(dense_v, group_size=self.kv_group_size, bits=self.value_bits)):
+        words, v_scales, v_biases = mx.quantize(dense_v, group_size=self.kv_group_size, bits=self.value_bits)
+        words = planes_of(words, self.value_bits)
+        for x, p in zip(self.values, (words, v_scales, v_biases)):
             x[..., slot : slot + done, :] = p
 
     def _oldest(self, held: tuple[mx.array, ...], fresh: list[mx.array], n_held: int, done: int) -> mx.array:
@@ -238,12 +245,15 @@ class ChannelStorage:
         )
 
     def fetch(self, size: int):
-        """What :meth:`attend` reads of the ``size`` kept entries: ``((quantized keys, held keys), (quantized
-        values, held values))``; keys and held values dequantized ``(B, H, ·, D)`` (transient copies), the
-        quantized values as stored (rotated ``mx.quantize`` triples)."""
-        n_quant = size - self.n_full
-        values = tuple(x[..., :n_quant, :] for x in self.values), self._held_dense(self.fp_values, self.n_full)
-        return (self._quantized_keys(n_quant), self._held_keys(self.n_full)), values
+        """What :meth:`attend` reads of the ``size`` kept entries, as stored (slices, nothing computed):
+        ``(((codes, rows, table scales, table biases), held keys), (quantized values, held values))``:
+        key and value codes in bit planes, the held rows ``mx.quantize``'s 8-bit triples."""
+        n_quant, n = size - self.n_full, self.n_full
+        codes, rows, table_s, table_b = self.keys
+        quantized = (codes[..., :n_quant, :], rows[..., :n_quant], table_s, table_b)
+        keys = quantized, tuple(x[..., :n, :] for x in self.fp_keys)
+        values = tuple(x[..., :n_quant, :] for x in self.values), tuple(x[..., :n, :] for x in self.fp_values)
+        return keys, values
 
     def _quantized_keys(self, n_quant: int) -> mx.array:
         codes, rows, table_s, table_b = self.keys
@@ -253,25 +263,31 @@ class ChannelStorage:
 
     def attend(self, queries, keys, values, scale, mask, sinks=None) -> mx.array:
         """Attention over what :meth:`fetch` returned, one softmax: ``(B, H*G, L, Dv)`` (the patched attention
-        calls this)."""
+        calls this). One query without a mask: :func:`~mlxevict.channel_attention.channel_decode_attention`
+        (the held rows read quantized); else dense entries and the model's fused attention."""
         if sinks is not None:
             raise ValueError("quantized KV storage does not support attention sinks; use kv_bits=None")
-        (q_values, held_v), rotation = values, self._value_rotation(queries.dtype)
-        if queries.shape[2] > 1:
-            # A prompt chunk: dense values (rotated back) and the model's fused attention.
-            dense = held_v[..., :0, :]
-            if q_values[0].shape[2]:  # (mx.dequantize cannot take zero rows)
-                dense = mx.dequantize(*q_values, group_size=self.kv_group_size, bits=self.value_bits)
-            if self.rotate_held:  # both rotated: rotate back once
-                dense_v = mx.concatenate([dense, held_v], axis=2) @ rotation.T
-            else:
-                dense_v = mx.concatenate([dense if rotation is None else dense @ rotation.T, held_v], axis=2)
-            dense_k = mx.concatenate(keys, axis=2)
-            return mx.fast.scaled_dot_product_attention(queries, dense_k, dense_v, scale=scale, mask=mask)
-        # Decoding: a quantized matmul over the rotated values, the held ones rotated (if not stored so).
-        values = q_values, held_v if rotation is None or self.rotate_held else held_v @ rotation
-        out = quantized_attention(queries, keys, values, scale, mask, group_size=self.kv_group_size, bits=self.kv_bits)
-        return out if rotation is None else out @ rotation.T  # the values were read as vR
+        n_quant, n_held = keys[0][1].shape[2], keys[1][0].shape[2]
+        rotation = self._value_rotation(queries.dtype)
+        if decodes_here(queries, mask, n_quant, n_held):
+            bits = (self.key_bits, self.value_bits, HELD_BITS)
+            return channel_decode_attention_fast(
+                queries, keys, values, rotation, scale, self.kv_group_size, bits, self.rotate_held
+            )
+        # Dense keys and values (the values rotated back) and the model's fused attention.
+        held_k, held_v = self._held_dense(keys[1], n_held), self._held_dense(values[1], n_held)
+        if self.rotate_held:
+            held_k = held_k @ rotation.T
+        dense_k, dense = held_k[..., :0, :], held_v[..., :0, :]
+        if n_quant:
+            dense_k = channel_dequantize(*keys[0], self.key_bits)
+            dense = token_dequantize(*values[0], self.value_bits, self.kv_group_size)
+        if self.rotate_held:  # both rotated: rotate back once
+            dense_v = mx.concatenate([dense, held_v], axis=2) @ rotation.T
+        else:
+            dense_v = mx.concatenate([dense if rotation is None else dense @ rotation.T, held_v], axis=2)
+        dense_k = mx.concatenate([dense_k, held_k], axis=2)
+        return mx.fast.scaled_dot_product_attention(queries, dense_k, dense_v, scale=scale, mask=mask)
 
     def max_rows(self, budget: int) -> int:
         """Table rows a cache of ``budget`` entries may hold: one per ``key_group`` quantized slots, plus
@@ -345,6 +361,10 @@ class ChannelStorage:
             return
         self.keys, self.fp_keys = tuple(v[0][:4]), tuple(v[0][4:])
         self.values, self.fp_values = tuple(v[1][:3]), tuple(v[1][3:])
+        if self.mx_quantize_codes:  # saved before the bit planes (mlxevict <= f73bfc2): repack once
+            self.keys = (planes_of(self.keys[0], self.key_bits), *self.keys[1:])
+            self.values = (planes_of(self.values[0], self.value_bits), *self.values[1:])
+            self.mx_quantize_codes = False
 
     def meta(self) -> dict[str, Any]:
         return {
@@ -357,6 +377,7 @@ class ChannelStorage:
             "window_bits": self.window_bits,
             "compacted": self.compacted,
             "rotate_held": self.rotate_held,
+            "key_planes": True,
         }
 
     @classmethod
@@ -371,4 +392,5 @@ class ChannelStorage:
             rotate_held=meta["rotate_held"],
         )
         storage.n_full, storage.compacted = meta["n_full"], meta["compacted"]
+        storage.mx_quantize_codes = not meta.get("key_planes", False)
         return storage

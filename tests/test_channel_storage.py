@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from tiny_models import random_tokens, run_chunks, tiny_model
@@ -11,7 +14,18 @@ import mlxevict
 from benchmarks import storage_variants as sv
 from mlxevict import EvictingKVCache, make_cache
 from mlxevict.budget import storage_nbytes
-from mlxevict.channel_storage import ChannelStorage, channel_quantize, pack_codes, unpack_codes
+from mlxevict.channel_attention import channel_decode_attention, channel_decode_attention_fast
+from mlxevict.channel_codes import (
+    channel_dequantize,
+    channel_dequantize_compiled,
+    pack_planes,
+    planes_of,
+    token_dequantize,
+    token_dequantize_compiled,
+    unpack_codes,
+    unpack_planes,
+)
+from mlxevict.channel_storage import ChannelStorage, channel_quantize
 from mlxevict.kvstorage import FLAGS, KVStorage
 from mlxevict.plan import memory_storage, plan_cache
 from mlxevict.budget import parse_budget
@@ -22,31 +36,59 @@ D = 64  # the simulation quantizes per token in groups of 64 channels
 KIVI = dict(kv_bits=(5, 3), kv_group_size=D, window_bits=8, key_group=64)
 
 
+def mx_quantize_layout(codes: mx.array, bits: int) -> mx.array:
+    """``(..., D)`` codes packed LSB first into ``uint32`` words, as ``mx.quantize`` packs them (a plain reference)."""
+    c = np.array(codes, dtype=np.uint64).reshape(-1, codes.shape[-1])
+    words = []
+    for row in c:
+        stream = sum(int(v) << (bits * d) for d, v in enumerate(row))
+        words.append([(stream >> (32 * w)) & 0xFFFFFFFF for w in range(len(row) * bits // 32)])
+    return mx.array(np.array(words, dtype=np.uint32)).reshape(*codes.shape[:-1], -1)
+
+
 def model64(**overrides):
     return tiny_model("llama", head_dim=D, hidden_size=128, **overrides)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-def test_codes_pack_as_mx_quantize_packs_them(bits):
+def test_codes_unpack_as_mx_quantize_packs_them(bits):
     """The storage reads mx.quantize's codes by unpacking its words: the layouts must agree."""
     x = mx.random.normal((2, 3, 128), key=mx.random.key(bits))
     packed, scales, biases = mx.quantize(x, group_size=64, bits=bits)
     codes = unpack_codes(packed, bits)
     assert int(codes.max().item()) < 2**bits
-    assert mx.array_equal(pack_codes(codes, bits), packed).item()
+    assert mx.array_equal(mx_quantize_layout(codes, bits), packed).item()
     ours = codes.reshape(2, 3, 2, 64).astype(mx.float32) * scales[..., None] + biases[..., None]
     assert mx.array_equal(
         ours.reshape(2, 3, 128), mx.dequantize(packed, scales, biases, group_size=64, bits=bits)
     ).item()
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7])
+def test_bit_planes_round_trip_every_code(bits):
+    codes = mx.random.randint(0, 2**bits, (2, 3, 5, 64), key=mx.random.key(bits)).astype(mx.uint32)
+    planes = pack_planes(codes, bits)
+    assert planes.shape == (2, 3, 5, 64 * bits // 32) and planes.dtype == mx.uint32
+    assert mx.array_equal(unpack_planes(planes, bits), codes).item()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
+def test_values_in_bit_planes_dequantize_as_mx_dequantize(bits):
+    x = mx.random.normal((2, 3, 7, 128), key=mx.random.key(bits))
+    words, scales, biases = mx.quantize(x, group_size=64, bits=bits)
+    expected = mx.dequantize(words, scales, biases, group_size=64, bits=bits)
+    planes = planes_of(words, bits)
+    assert mx.array_equal(token_dequantize(planes, scales, biases, bits, 64), expected).item()
+    assert mx.array_equal(token_dequantize_compiled(planes, scales, biases, bits, 64), expected).item()
+
+
 def test_channel_quantize_equals_the_simulated_fake_quantization():
     x = mx.random.normal((1, 2, 128, D), key=mx.random.key(3)) * mx.linspace(0.1, 8, D)  # outlier channels
     codes, scales, biases = channel_quantize(x, 5, 64)
     rows = mx.broadcast_to((mx.arange(128) // 64).astype(mx.uint16), (1, 2, 128))
-    from mlxevict.channel_storage import channel_dequantize
 
     ours = channel_dequantize(codes, rows, scales, biases, 5)
+    assert mx.array_equal(channel_dequantize_compiled(codes, rows, scales, biases, 5), ours).item()
     sim = mx.concatenate([sv.fake_quant_channels(x[..., i : i + 64, :], 5) for i in (0, 64)], axis=2)
     assert mx.array_equal(ours, sim).item()
 
@@ -100,14 +142,18 @@ def test_attention_equals_attention_over_the_dequantized_entries(mask):
     run_chunks(model, real, random_tokens(300), [32] * 9 + [1] * 12)
     c, storage = real[0], real[0].storage
     n_quant = c.size() - storage.n_full
-    (q_keys, held_keys), (q_values, held_values) = storage.fetch(c.size())
-    codes, rows, table_s, table_b = storage.keys
-    idx = rows[..., :n_quant, None].astype(mx.int32)
-    ref_k = unpack_codes(codes[..., :n_quant, :], 5).astype(mx.float32) * mx.take_along_axis(table_s, idx, axis=2)
-    ref_k = ref_k + mx.take_along_axis(table_b, idx, axis=2)
-    assert mx.array_equal(q_keys, ref_k).item() and n_quant > 0 and held_keys.shape[2] == storage.n_full
+    keys_in, values_in = storage.fetch(c.size())
+    (codes, rows, table_s, table_b), held = keys_in
+    idx = rows[..., None].astype(mx.int32)
+    q_keys = unpack_planes(codes, 5).astype(mx.float32) * mx.take_along_axis(table_s, idx, axis=2)
+    q_keys = q_keys + mx.take_along_axis(table_b, idx, axis=2)
+    assert n_quant > 0 and codes.shape[2] == n_quant and held[0].shape[2] == storage.n_full
     R = rotation_matrix(D)
-    ref_v = mx.dequantize(*q_values, group_size=D, bits=3) @ R.T
+    held_keys = mx.dequantize(*held, group_size=D, bits=8)  # rotate_held=False: as they came
+    held_values = mx.dequantize(*values_in[1], group_size=D, bits=8)
+    words, v_scales, v_biases = values_in[0]
+    mx_words = mx_quantize_layout(unpack_planes(words, 3), 3)
+    ref_v = mx.dequantize(mx_words, v_scales, v_biases, group_size=D, bits=3) @ R.T
     keys = mx.concatenate([q_keys, held_keys], axis=2)  # B, H, N, D
     values = mx.concatenate([ref_v, held_values], axis=2)
     assert mx.allclose(c.dense_keys[..., : c.size(), :], keys).item()
@@ -118,9 +164,33 @@ def test_attention_equals_attention_over_the_dequantized_entries(mask):
         if mask == "array"
         else mask
     )
-    got = storage.attend(queries, (q_keys, held_keys), (q_values, held_values), D**-0.5, m)
+    got = storage.attend(queries, keys_in, values_in, D**-0.5, m)
     expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=D**-0.5, mask=m)
     assert mx.allclose(got, expected, atol=1e-5).item()
+
+
+@pytest.mark.parametrize(
+    "storage, dim",
+    [(dict(), D), (dict(rotate_held=False), D), (dict(kv_rotate=False), D), (dict(kv_bits=(3, 4)), D), (dict(), 128)],
+)
+def test_decode_attention_equals_attention_over_dense_entries(storage, dim):
+    """The decode kernel, its twin with compiled dequantization, and the dense path (the model's fused attention over
+    dequantized entries, taken with an all-true mask) agree."""
+    model = tiny_model("llama", layers=1, head_dim=dim, hidden_size=2 * dim)
+    caches = [EvictingKVCache("default", 240, storage=ChannelStorage(**{"kv_bits": (5, 3), **storage}))]
+    mlxevict.patch(model)
+    run_chunks(model, caches, random_tokens(400), [40] * 6 + [1] * 150)
+    c, st = caches[0], caches[0].storage
+    keys, values = st.fetch(c.size())
+    n_quant, table_rows = keys[0][1].shape[2], keys[0][2].shape[2]
+    assert c.evictions > 0 and n_quant > 0 and table_rows > 1 and st.n_full > 0
+    queries, scale = mx.random.normal((1, 4, 1, dim), key=mx.random.key(5)), dim**-0.5
+    dense = st.attend(queries, keys, values, scale, mx.ones((1, c.size()), mx.bool_))
+    rotation = st._value_rotation(mx.float32)
+    args = (queries, keys, values, rotation, scale, st.kv_group_size, (st.key_bits, st.value_bits, 8), st.rotate_held)
+    plain, compiled = channel_decode_attention(*args), channel_decode_attention_fast(*args)
+    assert mx.allclose(plain, dense, atol=1e-5).item() and mx.allclose(compiled, plain, atol=1e-6).item()
+    assert mx.array_equal(st.attend(queries, keys, values, scale, None), compiled).item()
 
 
 @pytest.mark.parametrize("policy", ["default", "window", "h2o", "random"])
@@ -186,6 +256,33 @@ def test_save_and_load_continue_identically(policy, tmp_path):
     expected = run_chunks(model, caches, tokens[350:], rest)
     got = run_chunks(model, loaded, tokens[350:], rest)
     assert mx.array_equal(got, expected).item()
+
+
+def test_a_cache_saved_with_mx_quantize_codes_loads_and_continues_identically():
+    """States saved before the bit planes hold the codes in mx.quantize's layout: loading repacks them."""
+    model = model64()
+    caches = make_cache(model, "default", 200, **KIVI)
+    tokens = random_tokens(300)
+    run_chunks(model, caches, tokens, [40] * 5 + [1] * 50)
+    old = []
+    for c in caches:
+        # Fresh array objects: an update in place would otherwise reach the other cache.
+        state = [tuple(map(mx.array, x)) if isinstance(x, (tuple, list)) else x for x in c.state]
+        state = [mx.array(x) if isinstance(x, mx.array) else x for x in state]
+        meta = json.loads(state[6])
+        del meta["key_planes"]
+        codes, words = state[0][0], state[1][0]
+        state[0] = (mx_quantize_layout(unpack_planes(codes, 5), 5), *state[0][1:])
+        state[1] = (mx_quantize_layout(unpack_planes(words, 3), 3), *state[1][1:])
+        state[6] = json.dumps(meta)
+        loaded = EvictingKVCache.__new__(EvictingKVCache)
+        loaded.state = tuple(state)
+        assert mx.array_equal(loaded.storage.keys[0], codes).item()
+        assert mx.array_equal(loaded.storage.values[0], words).item()
+        old.append(loaded)
+    rest = [1] * 30
+    expected = run_chunks(model, caches, tokens[250:], rest)
+    assert mx.array_equal(run_chunks(model, old, tokens[250:], rest), expected).item()
 
 
 @pytest.mark.parametrize(
