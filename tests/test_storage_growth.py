@@ -21,6 +21,7 @@ STORAGES = {
     "8-bit": dict(kv_bits=8, kv_group_size=GROUP),
     "4-bit": dict(kv_bits=4, kv_group_size=GROUP),
     "5/3-bit, 8-bit window": dict(kv_bits=(5, 3), kv_group_size=GROUP, window_bits=8),
+    "keys per channel": dict(kv_bits=(5, 3), kv_group_size=GROUP, window_bits=8, key_group=64),
     "compress": dict(prompt_mode="compress"),
 }
 # A prompt, then chunks and single steps: 10 lengths from 60 to 1,565 tokens.
@@ -55,7 +56,9 @@ def test_kv_bytes_never_above_a_full_cache_plus_one_step(storage):
         if decoding:  # compress mode holds the whole prompt until decoding starts
             assert stats.nbytes <= budget_nbytes and stats.capacity <= BUDGET
         capacities.add(stats.capacity)
-    assert stats.kept <= BUDGET and stats.evicted > 0 and stats.nbytes == budget_nbytes
+    assert stats.kept <= BUDGET and stats.evicted > 0
+    # per-channel keys hold a scale table whose rows come and go with their groups: at most the plan's bytes
+    assert stats.nbytes <= budget_nbytes if "key_group" in options else stats.nbytes == budget_nbytes
     # the compiled kernels see few, fixed shapes: whole steps (64-slot ones below 256), then the budget
     assert all(c % step == 0 or c == BUDGET or (c < step and c % FIRST_STEP == 0) for c in capacities), capacities
     assert FIRST_STEP in capacities
