@@ -27,10 +27,10 @@ than the budget's estimate (``key_group`` tokens per row), see docs/storage.md.
 
 A prompt chunk's attention dequantizes the keys and values into dense
 ``(B, H, N, D)`` arrays (transient copies, as the policies' ``dense_keys``) and calls
-the model's fused attention; a decode step dequantizes nothing
-(:func:`~mlxevict.channel_attention.channel_decode_attention`: the query scaled per
-table row times the codes, quantized matmuls over the held rows and the values, in the
-rotated domain where they are stored rotated). This module reproduces
+the model's fused attention; a decode step
+(:func:`~mlxevict.channel_attention.channel_decode_attention`) dequantizes the quantized
+keys and values in compiled kernels and reads the held 8-bit rows by quantized matmuls,
+in the rotated domain where they are stored rotated. This module reproduces
 ``benchmarks/storage_variants.py``'s simulated ``kivi-k5v3`` (fake quantization
 into a dense cache) with real storage, and is tested against it.
 """
@@ -152,11 +152,6 @@ class ChannelStorage:
     def _value_rotation(self, dtype: mx.Dtype) -> Optional[mx.array]:
         return rotation_matrix(self.shape[3]).astype(dtype) if self.kv_rotate else None
 
-    def _held_keys(self, n: int) -> mx.array:
-        """The newest ``n`` held keys, dequantized and unrotated."""
-        keys = self._held_dense(self.fp_keys, n)
-        return keys @ self._value_rotation(keys.dtype).T if self.rotate_held else keys
-
     def _held_dense(self, held: tuple[mx.array, ...], n: int) -> mx.array:
         if n == 0:  # mx.dequantize cannot take zero rows
             B, H, _, groups = held[1].shape
@@ -255,11 +250,14 @@ class ChannelStorage:
         values = tuple(x[..., :n_quant, :] for x in self.values), tuple(x[..., :n, :] for x in self.fp_values)
         return keys, values
 
-    def _quantized_keys(self, n_quant: int) -> mx.array:
-        codes, rows, table_s, table_b = self.keys
-        if n_quant == 0:
-            return table_s[..., :0, :]
-        return channel_dequantize(codes[..., :n_quant, :], rows[..., :n_quant], table_s, table_b, self.key_bits)
+    def _dense_keys(self, quantized: tuple[mx.array, ...], held: tuple[mx.array, ...]) -> mx.array:
+        """The keys :meth:`fetch` returned, dequantized and unrotated: ``(B, H, N + F, D)``."""
+        held_k = self._held_dense(held, held[0].shape[2])
+        if self.rotate_held:
+            held_k = held_k @ self._value_rotation(held_k.dtype).T
+        if quantized[1].shape[2] == 0:
+            return held_k
+        return mx.concatenate([channel_dequantize(*quantized, self.key_bits).astype(held_k.dtype), held_k], axis=2)
 
     def attend(self, queries, keys, values, scale, mask, sinks=None) -> mx.array:
         """Attention over what :meth:`fetch` returned, one softmax: ``(B, H*G, L, Dv)`` (the patched attention
@@ -275,19 +273,15 @@ class ChannelStorage:
                 queries, keys, values, rotation, scale, self.kv_group_size, bits, self.rotate_held
             )
         # Dense keys and values (the values rotated back) and the model's fused attention.
-        held_k, held_v = self._held_dense(keys[1], n_held), self._held_dense(values[1], n_held)
-        if self.rotate_held:
-            held_k = held_k @ rotation.T
-        dense_k, dense = held_k[..., :0, :], held_v[..., :0, :]
+        held_v = self._held_dense(values[1], n_held)
+        dense = held_v[..., :0, :]
         if n_quant:
-            dense_k = channel_dequantize(*keys[0], self.key_bits)
             dense = token_dequantize(*values[0], self.value_bits, self.kv_group_size)
         if self.rotate_held:  # both rotated: rotate back once
             dense_v = mx.concatenate([dense, held_v], axis=2) @ rotation.T
         else:
             dense_v = mx.concatenate([dense if rotation is None else dense @ rotation.T, held_v], axis=2)
-        dense_k = mx.concatenate([dense_k, held_k], axis=2)
-        return mx.fast.scaled_dot_product_attention(queries, dense_k, dense_v, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(queries, self._dense_keys(*keys), dense_v, scale=scale, mask=mask)
 
     def max_rows(self, budget: int) -> int:
         """Table rows a cache of ``budget`` entries may hold: one per ``key_group`` quantized slots, plus
@@ -344,9 +338,8 @@ class ChannelStorage:
     def dense_keys(self, size: int, capacity: int) -> mx.array:
         """``(B, H, C, D)`` keys in the model's dtype (a transient copy, for policies; zeros past ``size``)."""
         B, H, D, _, dtype = self.shape
-        held = self._held_keys(self.n_full)
-        parts = [self._quantized_keys(size - self.n_full).astype(held.dtype), held]
-        return mx.concatenate(parts + [mx.zeros((B, H, capacity - size, D), held.dtype)] * (capacity > size), axis=2)
+        keys = self._dense_keys(*self.fetch(size)[0])
+        return mx.concatenate([keys] + [mx.zeros((B, H, capacity - size, D), keys.dtype)] * (capacity > size), axis=2)
 
     # ---- save / load ----------------------------------------------------------
     @property
