@@ -121,7 +121,16 @@ def channel_dequantize(packed: mx.array, rows: mx.array, scales: mx.array, biase
     return unpack_planes(packed, bits).astype(scales.dtype) * s + b
 
 
+def channel_dequantize_by_rows(packed: mx.array, rows: mx.array, scales: mx.array, biases: mx.array,
+                               bits: int) -> mx.array:  # fmt: skip
+    """:func:`channel_dequantize` with each slot's scale and bias picked by a one-hot matmul over the table's
+    few rows instead of a gather: the same numbers (a sum of one scale and zeros), and on the CPU, compiled,
+    0.04 ms where the gather took 0.26 for a layer's 256 slots of 3 heads."""
+    one_hot = (rows.astype(mx.int32)[..., None] == mx.arange(scales.shape[2])).astype(scales.dtype)  # B, H, N, T
+    return unpack_planes(packed, bits).astype(scales.dtype) * (one_hot @ scales) + one_hot @ biases
+
+
 # Compiled twins for the decode step, whose shapes change only when a group completes or the cache compacts
 # (a kernel over the held rows too would retrace at every step: slower than none, measured).
-channel_dequantize_compiled = mx.compile(channel_dequantize)
+channel_dequantize_compiled = mx.compile(channel_dequantize_by_rows)
 token_dequantize_compiled = mx.compile(token_dequantize)
