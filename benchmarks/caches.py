@@ -150,20 +150,25 @@ def entries_within(model: nn.Module, name: str, fraction: float, context: int, s
     """The most entries per layer whose KV fits ``fraction`` of a 16-bit full cache of ``context`` tokens.
 
     Bytes as :func:`kv_bytes_16bit` counts them. mlxevict's caches grow to their
-    budget and then stay flat, so a budget's bytes are measured once it is full
-    (``budget + 1`` tokens fed), not modelled (a window in other bits than the rest is
-    not linear in the budget); ``rotating`` holds 16-bit entries. At most ``context`` entries.
+    budget and then stay flat, so a budget's bytes are measured on the arrays a full
+    cache holds (its storage allocated at the capacity it keeps once full), not modelled
+    (a window in other bits than the rest is not linear in the budget); no model runs
+    (a forward of ``budget + 1`` tokens per probe took 85 of `eval --quick`'s 165 s of
+    runs). ``tests/test_benchmarks.py`` checks the result against caches fed by the model.
+    ``rotating`` holds 16-bit entries. At most ``context`` entries.
     """
     limit = int(fraction * context * layer_kv_bytes_per_token(model, 2))
     if name == "rotating":
         return min(context, limit // layer_kv_bytes_per_token(model, 2))
+    shape = kv_shape(model)
 
     def fits(budget: int) -> bool:
         try:
             caches = make_caches(model, name, budget, settings)
         except ValueError:  # below the protected entries: smaller than any budget that runs
             return True
-        model(mx.zeros((1, budget + 1), dtype=mx.int32), cache=caches)  # the patch feeds it in chunks that fit
+        for c in caches:  # what a full cache holds: the capacity it keeps once the budget is reached
+            c._allocate(1, shape.kv_heads, shape.head_dim, shape.head_dim, mx.float16, c._capacity_for(c.budget))
         return kv_bytes_16bit(caches, bound=True) <= limit
 
     if not _known(name):  # an error, not a budget that fits (fits() reads a ValueError as "too small to run")
