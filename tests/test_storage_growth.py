@@ -13,6 +13,7 @@ from mlxevict import make_cache
 from mlxevict.cache_slots import FIRST_STEP, GROW_STEP
 from mlxevict.budget import storage_nbytes
 from mlxevict.kvstorage import KVStorage
+from mlxevict.policies import make_policy
 
 GROUP = 32
 BUDGET = 1000  # not a multiple of the step: the last capacity is the budget itself
@@ -126,3 +127,22 @@ def test_queries_no_eviction_reads_are_not_kept_and_nothing_changes(policy, monk
     assert skipped[3] > 30 and every_query[2] > 10  # the first chunk's queries were skipped, then many evictions
     assert mx.allclose(every_query[0], skipped[0], atol=1e-5).item()
     assert all(mx.array_equal(a, b).item() for a, b in zip(every_query[1], skipped[1]))
+
+
+@pytest.mark.parametrize("policy", [name for name in mlxevict.policy_names() if make_policy(name).observes])
+def test_observers_fold_a_prompt_chunk_in_pieces_with_the_same_statistics(policy, monkeypatch):
+    """Attention rows of a 200-query chunk in 64-query pieces (less peak memory) or all at once: the same stats."""
+    import mlxevict.kernels as kernels
+
+    model = tiny_model("llama", layers=2, head_dim=GROUP)
+    tokens = random_tokens(230)
+
+    def stats(piece: int):
+        monkeypatch.setattr(kernels, "QUERY_PIECE", piece)
+        caches = make_cache(model, policy, budget=2048)
+        run_chunks(model, caches, tokens, [200, 30])
+        return [c.stats for c in caches]
+
+    at_once, in_pieces = stats(10_000), stats(kernels.QUERY_PIECE)
+    assert any(mx.any(s != 0).item() for s in at_once)  # the policy did fold something in
+    assert all(mx.allclose(a, b, rtol=1e-5, atol=1e-6).item() for a, b in zip(at_once, in_pieces))

@@ -10,7 +10,7 @@ it gives *more* budget to high-entropy layers.
 
 import mlx.core as mx
 
-from ..kernels import attention_probs_compiled, row_entropy_compiled
+from ..kernels import attention_probs_compiled, query_pieces, row_entropy_compiled
 from .base import Policy
 
 
@@ -21,8 +21,14 @@ class EntropyPolicy(Policy):
 
     def observe(self, cache, queries, query_pos) -> None:
         S = queries.shape[2]
-        probs = attention_probs_compiled(queries, cache.dense_keys, cache.positions, query_pos, cache.scale)
-        entropy = row_entropy_compiled(probs)  # B, H, S
+        keys, positions = cache.dense_keys, cache.positions
+        entropy = mx.concatenate(  # B, H, S; each row on its own, so pieces give the same rows
+            [
+                row_entropy_compiled(attention_probs_compiled(q, keys, positions, pos, cache.scale))
+                for q, pos in query_pieces(queries, query_pos)
+            ],
+            axis=-1,
+        )
         # New tokens sit in the last S filled slots; low entropy scores high.
         end = cache.size()
         cache.stats[..., end - S : end] = -entropy

@@ -6,7 +6,7 @@ Large Language Models", 2023 (https://arxiv.org/abs/2306.14048).
 
 import mlx.core as mx
 
-from ..kernels import attention_probs_compiled, gqa_mean
+from ..kernels import attention_probs_compiled, gqa_mean, query_pieces
 from .base import Policy
 
 
@@ -16,8 +16,10 @@ class H2OPolicy(Policy):
     observes = True
 
     def observe(self, cache, queries, query_pos) -> None:
-        probs = attention_probs_compiled(queries, cache.dense_keys, cache.positions, query_pos, cache.scale)
-        cache.stats = cache.stats + gqa_mean(probs)  # B, H, C: accumulated attention
+        keys, positions, stats = cache.dense_keys, cache.positions, cache.stats
+        for q, pos in query_pieces(queries, query_pos):
+            stats = stats + gqa_mean(attention_probs_compiled(q, keys, positions, pos, cache.scale))
+        cache.stats = stats  # B, H, C: accumulated attention
 
     def score(self, cache) -> mx.array:
         return cache.stats
