@@ -114,23 +114,19 @@ def token_dequantize(words: mx.array, scales: mx.array, biases: mx.array, bits: 
 
 def channel_dequantize(packed: mx.array, rows: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.array:
     """``(B, H, N, D)`` keys from bit-plane codes ``(B, H, N, ·)``, their rows ``(B, H, N)`` and the table's
-    ``(B, H, T, D)`` scales and biases."""
-    idx = rows.astype(mx.int32)[..., None]  # B, H, N, 1
-    s = mx.take_along_axis(scales, idx, axis=2)  # B, H, N, D
-    b = mx.take_along_axis(biases, idx, axis=2)
+    ``(B, H, T, D)`` scales and biases.
+
+    Each slot's scale and bias rows are picked by ``mx.take`` from the table flattened over
+    ``(B, H, T)``: on the CPU, compiled, 0.18 ms for 224 slots of 3 heads and 1.0 ms for 2,000,
+    where ``take_along_axis`` took 0.40 and 2.4 (a one-hot matmul over the rows, 0.19 and 13)."""
+    B, H, T, D = scales.shape
+    flat = (rows.astype(mx.int32) + (mx.arange(B * H, dtype=mx.int32) * T).reshape(B, H, 1)).reshape(-1)
+    s = mx.take(scales.reshape(-1, D), flat, axis=0).reshape(*rows.shape, D)  # B, H, N, D
+    b = mx.take(biases.reshape(-1, D), flat, axis=0).reshape(*rows.shape, D)
     return unpack_planes(packed, bits).astype(scales.dtype) * s + b
-
-
-def channel_dequantize_by_rows(packed: mx.array, rows: mx.array, scales: mx.array, biases: mx.array,
-                               bits: int) -> mx.array:  # fmt: skip
-    """:func:`channel_dequantize` with each slot's scale and bias picked by a one-hot matmul over the table's
-    few rows instead of a gather: the same numbers (a sum of one scale and zeros), and on the CPU, compiled,
-    0.04 ms where the gather took 0.26 for a layer's 256 slots of 3 heads."""
-    one_hot = (rows.astype(mx.int32)[..., None] == mx.arange(scales.shape[2])).astype(scales.dtype)  # B, H, N, T
-    return unpack_planes(packed, bits).astype(scales.dtype) * (one_hot @ scales) + one_hot @ biases
 
 
 # Compiled twins for the decode step, whose shapes change only when a group completes or the cache compacts
 # (a kernel over the held rows too would retrace at every step: slower than none, measured).
-channel_dequantize_compiled = mx.compile(channel_dequantize_by_rows)
+channel_dequantize_compiled = mx.compile(channel_dequantize)
 token_dequantize_compiled = mx.compile(token_dequantize)
