@@ -17,6 +17,7 @@ window min(32, budget // 8)).
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -180,6 +181,14 @@ def entries_within(model: nn.Module, name: str, fraction: float, context: int, s
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def release(reset_peak: bool = True) -> None:
+    """Free the last run's buffers (and, with ``reset_peak``, its peak) so the next measurement is its own."""
+    gc.collect()
+    mx.clear_cache()
+    if reset_peak:
+        mx.reset_peak_memory()
 
 
 def kv_bytes(caches: Sequence[Any]) -> int:

@@ -23,16 +23,14 @@ runs the two halves.
 
 from __future__ import annotations
 
-import gc
 import json
 import time
 import warnings
 from typing import Any, Callable
 
-import mlx.core as mx
 import mlx.nn as nn
 
-from .caches import REFERENCE, check_budget
+from .caches import REFERENCE, check_budget, release
 from .long_feed import budget_for, build, build_batches, feed, fork, kv_fraction, tail_logits
 from .long_runs import CHOSEN, SEEDS, LongConfig, Run, config_json
 from .long_score import (
@@ -47,11 +45,6 @@ from .long_score import (
 )
 
 Progress = Callable[[str], None]
-
-
-def _release() -> None:
-    gc.collect()
-    mx.clear_cache()
 
 
 def run_split(
@@ -101,7 +94,7 @@ def run_split(
             continue
         for batch in batches:
             L = batch.tokens.shape[1]
-            _release()
+            release(reset_peak=False)
             stored = reference_path(config, split, batch) if run == Run(REFERENCE) else None
             if stored and stored.with_suffix(".json").exists():
                 refs[batch.name] = outcomes[batch.name] = load_reference(stored)

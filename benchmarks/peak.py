@@ -12,25 +12,22 @@ before (weights and the allocator's cache cleared first):
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 
 import mlx.core as mx
+
+from .caches import CacheSettings, make_caches, release
+from .speed import random_prompt
 
 MiB = 2**20
 
 
 def peak_of(model, name: str, prompt: mx.array, budget: int, new_tokens: int) -> float:
-    """MiB above the active memory before: one ``generate_step`` run of ``name`` (``kvcache`` or a policy)."""
+    """MiB above the active memory before: one ``generate_step`` run of cache ``name`` (as ``bench`` names them)."""
     from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
 
-    import mlxevict
-
-    caches = make_prompt_cache(model) if name == "kvcache" else mlxevict.make_cache(model, name, budget=budget)
-    gc.collect()
-    mx.clear_cache()
-    mx.reset_peak_memory()
+    caches = make_caches(model, name, budget, CacheSettings())
+    release()
     before = mx.get_active_memory()
     for _ in generate_step(prompt, model, prompt_cache=caches, max_tokens=new_tokens):
         pass
@@ -51,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     from mlxevict.demo_model import demo_model_path
 
     model, _ = load(str(demo_model_path()))
-    prompt = mx.random.randint(0, model.args.vocab_size, (args.context,), key=mx.random.key(0))
+    prompt = random_prompt(args.context, model.args.vocab_size, seed=0)
     names = args.caches.split(",")
     peaks: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(args.repeats):  # caches take turns, so a slow drift hits all alike

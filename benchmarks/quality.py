@@ -22,7 +22,6 @@ to the mean ``H(p_t)`` over the batch's rows.
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from .caches import (
     kv_bytes,
     kv_bytes_16bit,
     make_caches,
+    release,
     takes_budget,
 )
 from .tasks import RetrievalTask, make_fidelity_texts, make_generation_tasks, make_retrieval_tasks
@@ -230,14 +230,6 @@ def greedy(model: nn.Module, caches: list[Any], prompts: mx.array, new_tokens: i
     return traces, prompts.shape[0] * (new_tokens - 1) / max(seconds, 1e-9)
 
 
-def _release(reset_peak: bool) -> None:
-    """Free the last run's buffers so the next peak is this run's own."""
-    gc.collect()
-    mx.clear_cache()
-    if reset_peak:
-        mx.reset_peak_memory()
-
-
 def measure(
     model: nn.Module,
     name: str,
@@ -252,7 +244,7 @@ def measure(
     ``budgets``: entries per layer for the teacher-forced tasks and for generation.
     """
     budget, gen_budget = budgets
-    _release(reset_peak=True)
+    release(reset_peak=True)
     started = time.perf_counter()
     caches = make_caches(model, name, budget, config.settings)
     predicted, logprobs, top1, kl = teacher_force(
@@ -262,7 +254,7 @@ def measure(
     per_row_kv16 = kv_bytes_16bit(caches) // max(work.teacher.shape[0], 1)
     teacher_seconds = time.perf_counter() - started
     del caches
-    _release(reset_peak=False)
+    release(reset_peak=False)
     caches = make_caches(model, name, gen_budget, config.settings)
     traces, tok_s = greedy(model, caches, work.prompts, config.new_tokens)
     del caches

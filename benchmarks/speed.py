@@ -19,7 +19,6 @@ model's weights, the cache's own bytes and the largest transient a segment neede
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
-from .caches import MLX_LM_CACHES, REFERENCE, CacheSettings, check_budget, kv_bytes, make_caches, takes_budget
+from .caches import MLX_LM_CACHES, REFERENCE, CacheSettings, check_budget, kv_bytes, make_caches, release, takes_budget
 
 ROTATING = "rotating"
 DEFAULT_CONTEXTS = (256, 512, 1024)  # 2048+ with the quantized caches is slow on a CPU; --contexts
@@ -57,13 +56,6 @@ class BenchConfig:
     repeats: int = 1
     seed: int = 0
     settings: CacheSettings = field(default_factory=CacheSettings)
-
-
-def _release(reset_peak: bool = True) -> None:
-    gc.collect()
-    mx.clear_cache()
-    if reset_peak:
-        mx.reset_peak_memory()
 
 
 def model_nbytes(model: nn.Module) -> int:
@@ -95,7 +87,7 @@ def bench_decode(model: nn.Module, config: BenchConfig, progress: Progress | Non
             want = 1 if r == 0 else min(config.segment, config.new_tokens - s["tokens"])
             if want <= 0:
                 continue
-            _release(reset_peak=False)
+            release(reset_peak=False)
             mx.reset_peak_memory()
             before = mx.get_active_memory()
             start = time.perf_counter()
@@ -133,7 +125,7 @@ def bench_decode(model: nn.Module, config: BenchConfig, progress: Progress | Non
             }
         )
         s["caches"] = s["gen"] = None
-    _release()
+    release()
     return rows
 
 
@@ -166,7 +158,7 @@ def bench_context(model: nn.Module, config: BenchConfig, progress: Progress | No
 
 
 def _prefill_and_probe(model: nn.Module, name: str, prompt: mx.array, config: BenchConfig) -> dict[str, float]:
-    _release()
+    release()
     caches = make_caches(model, name, config.budget, config.settings)
     L = prompt.shape[1]
     start = time.perf_counter()

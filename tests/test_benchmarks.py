@@ -221,6 +221,14 @@ def test_bench_end_to_end_structure(model, tmp_path):
     assert {p.name for p in paths} == {"bench.json", "bench.md", "memory.png"}
 
 
+def test_peak_runs_every_cache_it_names(model):
+    from mlxevict.benchmarks import peak
+
+    prompt = speed.random_prompt(40, TOK.vocab_size, seed=0)
+    for name in ("kvcache", "default", "quantized4"):
+        assert peak.peak_of(model, name, prompt, budget=64, new_tokens=3) > 0, name
+
+
 def test_cli_parsers_and_bad_budgets():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
