@@ -42,7 +42,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from .channel_attention import channel_decode_attention_fast, decodes_here
-from .channel_codes import WORD, channel_dequantize, channel_quantize, planes_of, token_dequantize
+from .channel_codes import WORD, channel_dequantize, channel_quantize, planes_of, table_index, token_dequantize
 from .dense_storage import fit_slots
 from .kernels import PROTECTED
 from .kvstorage import DEFAULT_GROUP_SIZE, ROW_RESERVE, KVBits, check, key_value_bits
@@ -224,8 +224,8 @@ class ChannelStorage:
         B, H, C = rows.shape
         kept = mx.arange(C) < n_quant  # C
         # Count each head's slots per row (dropped slots count in an extra row T), by one scatter-add.
-        idx = mx.where(kept, rows.astype(mx.int32), T) + (mx.arange(B * H) * (T + 1)).reshape(B, H, 1)
-        counts = mx.zeros((B * H * (T + 1),), mx.int32).at[idx.reshape(-1)].add(1)
+        idx = table_index(mx.where(kept, rows.astype(mx.int32), T), T + 1)
+        counts = mx.zeros((B * H * (T + 1),), mx.int32).at[idx].add(1)
         live = counts.reshape(B, H, T + 1)[..., :T] > 0  # B, H, T
         order = mx.argsort(mx.where(live, mx.arange(T), T + mx.arange(T)), axis=-1)  # live rows first, in order
         n_live = int(live.sum(axis=-1).max().item())
@@ -312,8 +312,7 @@ class ChannelStorage:
         B, H, _ = rank_key.shape
         rows = self.keys[1][..., :n_quant].astype(mx.int32)  # B, H, n
         values = rank_key[..., :n_quant]
-        flat = (rows + (mx.arange(B * H) * T).reshape(B, H, 1)).reshape(-1)
-        best = mx.full((B * H * T,), 2 * DEMOTED, mx.float32).at[flat].maximum(values.reshape(-1)).reshape(B, H, T)
+        best = mx.full((B * H * T,), 2 * DEMOTED, mx.float32).at[table_index(rows, T)].maximum(values.reshape(-1)).reshape(B, H, T)
         order = mx.argsort(-best, axis=-1)  # B, H, T: best group first
         top = mx.argsort(order, axis=-1) < allowed  # B, H, T
         kept = mx.take_along_axis(top, rows, axis=-1)  # B, H, n
