@@ -9,6 +9,8 @@ kv-head (GQA), ``S`` new queries, ``C`` cache slots, ``D`` head dim.
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 
 NEG_INF = -1e30  # finite, so 0 * NEG_INF stays finite inside entropies
@@ -25,8 +27,45 @@ def query_pieces(queries: mx.array, query_pos: mx.array) -> list[tuple[mx.array,
     return [(queries[:, :, a : a + QUERY_PIECE], query_pos[a : a + QUERY_PIECE]) for a in range(0, S, QUERY_PIECE)]
 
 
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+ROUNDER = 1.5 * 2**23  # y + ROUNDER rounds y to an integer in float32, by addition alone
+
+
+def exp_poly(x: mx.array) -> mx.array:
+    """``exp(x)`` for float32 ``x ≤ 0`` by additions, multiplications and bit moves only, which
+    ``mx.compile`` fuses into one vectorized kernel.
+
+    ``exp(x) = 2^n · e^t`` with ``n = round(x·log2 e)`` and ``|t| ≤ ln2 / 2``: ``n`` is rounded by adding
+    :data:`ROUNDER` (whose float then holds ``n + 127`` in its low mantissa bits, moved to the exponent
+    field for ``2^n``), ``e^t`` by its Taylor series to the 7th power (relative error under 1e-6). ``x``
+    below ``-87`` gives ``2^-126``, not 0. MLX's CPU ``exp``, ``floor`` and float-to-int casts are not
+    vectorized here: ``python -m mlxevict.benchmarks.scoring`` times the difference.
+    """
+    y = mx.maximum(x * LOG2E, -126.0)
+    z = y + (ROUNDER + 127.0)
+    t = (y - (z - (ROUNDER + 127.0))) * LN2
+    p = 1.0 + t * (1.0 + t * (1 / 2 + t * (1 / 6 + t * (1 / 24 + t * (1 / 120 + t * (1 / 720 + t / 5040))))))
+    return p * mx.view(mx.view(z, mx.int32) << 23, mx.float32)
+
+
+def softmax_poly(x: mx.array) -> mx.array:
+    """Softmax over the last axis with :func:`exp_poly` (float32), for the compiled kernels."""
+    e = exp_poly(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _softmax(x: mx.array) -> mx.array:
+    return mx.softmax(x, axis=-1, precise=True)
+
+
 def attention_probs(
-    queries: mx.array, keys: mx.array, positions: mx.array, query_pos: mx.array, scale: float
+    queries: mx.array,
+    keys: mx.array,
+    positions: mx.array,
+    query_pos: mx.array,
+    scale: float,
+    softmax=_softmax,
 ) -> mx.array:
     """Causal attention probabilities of ``queries`` over the cached ``keys``.
 
@@ -36,6 +75,7 @@ def attention_probs(
         positions: ``(B, H, C)`` absolute position of each slot, -1 if empty.
         query_pos: ``(S,)`` absolute positions of the queries (-1: padding query).
         scale: the attention scale (``1/sqrt(D)`` for these models).
+        softmax: ``mx.softmax`` (this reference) or :func:`softmax_poly` (the compiled twin).
 
     Returns:
         ``(B, H, G, S, C)`` float32 probabilities; rows of padding queries are 0.
@@ -48,8 +88,7 @@ def attention_probs(
     visible = (positions[:, :, None, None, :] >= 0) & (
         positions[:, :, None, None, :] <= query_pos[:, None]
     )  # B, H, 1, S, C
-    logits = mx.where(visible, logits, NEG_INF)
-    probs = mx.softmax(logits, axis=-1, precise=True)
+    probs = softmax(mx.where(visible, logits, NEG_INF))
     return mx.where(visible, probs, 0.0) * (query_pos[:, None] >= 0)
 
 
@@ -182,7 +221,7 @@ def gqa_mean(x: mx.array) -> mx.array:
     return x.sum(axis=3).mean(axis=2)
 
 
-attention_probs_compiled = mx.compile(attention_probs)
+attention_probs_compiled = mx.compile(partial(attention_probs, softmax=softmax_poly))
 attention_logits_compiled = mx.compile(attention_logits)
 row_entropy_compiled = mx.compile(row_entropy)
 prediction_entropy_compiled = mx.compile(prediction_entropy)

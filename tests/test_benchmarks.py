@@ -229,6 +229,18 @@ def test_peak_runs_every_cache_it_names(model):
         assert peak.peak_of(model, name, prompt, budget=64, new_tokens=3) > 0, name
 
 
+def test_scoring_benchmark_times_both_kernels_on_the_same_inputs():
+    from mlxevict import kernels
+    from mlxevict.benchmarks import scoring
+
+    args = scoring.inputs(slots=40, queries=4)
+    ref, fast = (kernel(*args, 0.125) for kernel in scoring.KERNELS.values())
+    assert mx.allclose(fast, ref, atol=1e-6).item() and ref.shape == (1, 3, 3, 4, 40)
+    assert scoring.KERNELS["compiled (exp_poly)"] is kernels.attention_probs_compiled
+    ms = scoring.score_ms(slots=40, queries=4, rounds=2, steps=1)
+    assert set(ms) == set(scoring.KERNELS) and all(t > 0 for t in ms.values())
+
+
 def test_cli_parsers_and_bad_budgets():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()

@@ -33,6 +33,18 @@ def test_attention_probs(inputs):
     assert (ref[:, :, :, 0, 19] == 0).all().item()  # position 38 is in the future of query 36
 
 
+def test_exp_poly_matches_exp_to_float_precision():
+    x = mx.concatenate([mx.linspace(-87.0, 0.0, 20001), mx.array([-0.0, -1e-8, -0.5, -1.0])])
+    fast, ref = mx.compile(kernels.exp_poly)(x), mx.exp(x)
+    assert (mx.abs(fast - ref) <= 2e-6 * ref).all().item()
+    assert kernels.exp_poly(mx.array([0.0])).item() == 1.0
+    # Far below (masked logits): 2^-126, a probability of 0 after any softmax over a real entry.
+    tiny = kernels.exp_poly(mx.array([-1e30, -200.0]))
+    assert (tiny > 0).all().item() and (tiny < 1.2e-38).all().item()
+    rows = mx.random.normal((5, 300), key=mx.random.key(2)) * 10
+    assert mx.allclose(kernels.softmax_poly(rows), mx.softmax(rows, axis=-1, precise=True), rtol=2e-6, atol=1e-9).item()
+
+
 def test_attention_logits(inputs):
     q, k, pos, qpos, _ = inputs
     ref = kernels.attention_logits(q, k, pos, qpos, 0.25)
