@@ -16,6 +16,9 @@ scale and bias per group). Variants (the evidence: ``docs/results/long/README.md
   window in 8 bits; when the bytes run out, the lowest-scored 8-bit entries are
   demoted to the low tier; the policy evicts only when every entry in the low tier
   still would not fit;
+- ``kivi-tiers``: the tiers over keys per channel: entries leave the window in KIVI 5/3 (the high
+  tier), and the lowest-scored are demoted to KIVI 3/2 (keys re-quantized per channel over the
+  same group of tokens, values to 2 bits) before any is evicted;
 - ``sim-k3v2w8``: the low tier alone (what the tiers add to).
 
 The policy is mlxevict's default for every variant. The entries and their tier mask are
@@ -47,20 +50,27 @@ class StorageSpec:
     """How a simulated storage holds keys and values.
 
     ``key_group``: tokens per scale for per-channel keys (KIVI), ``None`` for per-token keys.
-    ``tiers``: keep entries in 8 bits while the bytes allow, demoting by score (MiKV).
+    ``tiers``: keep entries in the high tier while the bytes allow, demoting by score (MiKV).
+    ``high``: the high tier's ``(key bits, value bits)``, laid out as the low tier; ``None``: 8 bits per token.
     """
 
     key_bits: int
     value_bits: int
     key_group: int | None = None
     tiers: bool = False
+    high: tuple[int, int] | None = None
+
+    def _entry_bytes(self, key_bits: int, value_bits: int, head_dim: int) -> float:
+        keys = token_bytes(key_bits, head_dim)
+        if self.key_group:
+            keys = head_dim * key_bits / 8 + head_dim * 4 / self.key_group
+        return keys + token_bytes(value_bits, head_dim)
 
     def bytes_per_token(self, head_dim: int) -> dict[str, float]:
-        """Bytes per token and kv-head (16-bit model): the low tier, 8 bits, and 16 bits."""
-        keys = token_bytes(self.key_bits, head_dim)
-        if self.key_group:
-            keys = head_dim * self.key_bits / 8 + head_dim * 4 / self.key_group
-        return {"low": keys + token_bytes(self.value_bits, head_dim), "8bit": 2 * token_bytes(8, head_dim), "16bit": 4 * head_dim}
+        """Bytes per token and kv-head (16-bit model): the low tier, the high tier, 8 bits, and 16 bits."""
+        eight = 2 * token_bytes(8, head_dim)
+        high = self._entry_bytes(*self.high, head_dim) if self.high else eight
+        return {"low": self._entry_bytes(self.key_bits, self.value_bits, head_dim), "high": high, "8bit": eight, "16bit": 4 * head_dim}
 
     @property
     def held_back(self) -> int:
@@ -73,6 +83,7 @@ VARIANTS = {
     "kivi-k5v3": StorageSpec(5, 3, key_group=64),
     "sim-k5v3w8": StorageSpec(5, 3),
     "kivi-k2v2": StorageSpec(2, 2, key_group=32),
+    "kivi-tiers": StorageSpec(3, 2, key_group=64, tiers=True, high=(5, 3)),
     "sim-k3v2w8": StorageSpec(3, 2),
 }
 
@@ -108,32 +119,42 @@ class SimulatedStorage(DenseStorage):
     """Dense storage whose entries arrive fake-quantized to 8 bits, with a per-slot low-tier mask.
 
     ``low`` ``(B, H, C)`` is True where an entry is in the low tier; it is one of the
-    :meth:`slots`, so it travels with its entry through compaction and growth.
+    :meth:`slots`, so it travels with its entry through compaction and growth. With
+    ``low_keys``, each slot also holds its key as the low tier would (keys per channel are
+    quantized over their group when it settles, so a demotion later needs the group's rounding).
     """
 
-    def __init__(self, head_dim: int) -> None:
+    def __init__(self, head_dim: int, low_keys: bool = False) -> None:
         super().__init__()
         self.rotation = hadamard(head_dim)
         self.low: mx.array | None = None
+        self.with_low_keys = low_keys
+        self.low_keys: mx.array | None = None
 
     def allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype, capacity: int) -> None:
         super().allocate(B, H, D, Dv, dtype, capacity)
         self.low = mx.zeros((B, H, capacity), mx.bool_)
+        if self.with_low_keys:
+            self.low_keys = mx.zeros((B, H, capacity, D), dtype)
 
     def write(self, keys: mx.array, values: mx.array, start: int) -> None:
         """New entries arrive in the 8-bit window."""
         super().write(fake_quant(keys, 8), fake_quant(values, 8), start)
 
     def slots(self) -> list[mx.array]:
-        return [*super().slots(), self.low]
+        return [*super().slots(), self.low, *([self.low_keys] if self.with_low_keys else [])]
 
     def set_slots(self, arrays: list[mx.array]) -> None:
+        if self.with_low_keys:
+            *arrays, self.low_keys = arrays
         super().set_slots(arrays[:-1])
         self.low = arrays[-1]
 
     def resize(self, capacity: int) -> None:
         super().resize(capacity)
         self.low = fit_slots(self.low, capacity, False)
+        if self.with_low_keys:
+            self.low_keys = fit_slots(self.low_keys, capacity, 0)
 
 
 class SimulatedStorageCache(EvictingKVCache):
@@ -154,7 +175,8 @@ class SimulatedStorageCache(EvictingKVCache):
         self.spec, self.memory = spec, memory
         self.cost = spec.bytes_per_token(head_dim)
         budget = entries_for(spec, memory, head_dim)
-        super().__init__(policy, budget, window=spec.held_back, storage=SimulatedStorage(head_dim), **kwargs)
+        storage = SimulatedStorage(head_dim, low_keys=bool(spec.tiers and spec.key_group))
+        super().__init__(policy, budget, window=spec.held_back, storage=storage, **kwargs)
         self.done = 0  # positions below this have left the window and hold their stored precision
 
     low = property(lambda self: self.storage.low, doc="``(B, H, C)`` True where an entry is in the low tier.")
@@ -179,14 +201,20 @@ class SimulatedStorageCache(EvictingKVCache):
         group = spec.key_group or max(limit - self.done, 0)
         while group and self.done + group <= limit:
             a, b = self._slot(self.done), self._slot(self.done + group)
-            if spec.tiers:  # the high tier: 8 bits until demoted
-                st.keys[..., a:b, :] = fake_quant(st.keys[..., a:b, :], 8)
-            elif spec.key_group:
-                st.keys[..., a:b, :] = fake_quant_channels(st.keys[..., a:b, :], spec.key_bits)
+            if spec.tiers:
+                key_bits, value_bits = spec.high or (8, 8)
             else:
-                st.keys[..., a:b, :] = fake_quant(st.keys[..., a:b, :], spec.key_bits, rotation=self.rotation)
-            bits = 8 if spec.tiers else spec.value_bits
-            st.values[..., a:b, :] = fake_quant(st.values[..., a:b, :], bits, rotation=self.rotation)
+                key_bits, value_bits = spec.key_bits, spec.value_bits
+            keys = st.keys[..., a:b, :]
+            if spec.tiers and not spec.high:  # the high tier: 8 bits per token until demoted
+                st.keys[..., a:b, :] = fake_quant(keys, 8)
+            elif spec.key_group:
+                st.keys[..., a:b, :] = fake_quant_channels(keys, key_bits)
+                if spec.tiers:  # the low tier's key, rounded over the same group
+                    st.low_keys[..., a:b, :] = fake_quant_channels(keys, spec.key_bits)
+            else:
+                st.keys[..., a:b, :] = fake_quant(keys, key_bits, rotation=self.rotation)
+            st.values[..., a:b, :] = fake_quant(st.values[..., a:b, :], value_bits, rotation=self.rotation)
             if not spec.tiers:
                 st.low[..., a:b] = True
             self.done += group
@@ -196,7 +224,7 @@ class SimulatedStorageCache(EvictingKVCache):
         held = self.offset - self.done
         outside = self._size - held
         room = self.memory - held * self.cost["8bit"] - outside * self.cost["low"]
-        return max(0, min(outside, int(room // (self.cost["8bit"] - self.cost["low"]))))
+        return max(0, min(outside, int(room // (self.cost["high"] - self.cost["low"]))))
 
     def _demote(self) -> None:
         """Move the lowest-scored 8-bit entries to the low tier until the bytes fit."""
@@ -213,7 +241,8 @@ class SimulatedStorageCache(EvictingKVCache):
         demote = candidate & (rank < count - max(allowed - DEMOTE_MARGIN, 0))
         spec, rot = self.spec, self.rotation
         st = self.storage
-        st.keys = mx.where(demote[..., None], fake_quant(st.keys, spec.key_bits, rotation=rot), st.keys)
+        low_keys = st.low_keys if spec.key_group else fake_quant(st.keys, spec.key_bits, rotation=rot)
+        st.keys = mx.where(demote[..., None], low_keys, st.keys)
         st.values = mx.where(demote[..., None], fake_quant(st.values, spec.value_bits, rotation=rot), st.values)
         st.low = st.low | demote
 
@@ -222,7 +251,7 @@ class SimulatedStorageCache(EvictingKVCache):
         held = self.offset - self.done
         low = int(self.low[..., : self._size].sum(axis=-1).max().item())
         high = self._size - held - low
-        return held * self.cost["8bit"] + high * self.cost["8bit"] + low * self.cost["low"]
+        return held * self.cost["8bit"] + high * self.cost["high"] + low * self.cost["low"]
 
 
 def entries_for(spec: StorageSpec, memory: float, head_dim: int) -> int:

@@ -40,7 +40,7 @@ STORAGE_SHADES = {"": 0.0, "q8": 0.35, "q4": 0.6, "q4w8": -0.35, "k5v3w8": -0.6}
 OTHER_STYLE = ("#9edae5", ".")
 # storage variants of the default policy (``benchmarks.storage_variants``): its colour, their own marker
 VARIANT_STYLES = {
-    "kivi-k5v3": (-0.35, "*"), "kivi-k2v2": (0.4, "*"), "tiers-k3v2": (0.45, "d"),
+    "kivi-k5v3": (-0.35, "*"), "kivi-k2v2": (0.4, "*"), "tiers-k3v2": (0.45, "d"), "kivi-tiers": (-0.2, "d"),
     "sim-k5v3w8": (-0.5, "x"), "sim-k3v2w8": (0.3, "x"),
 }  # fmt: skip
 COMPRESS = " [compress]"  # a cache compressed once after prefill: its policy's look, dotted and lighter
