@@ -189,6 +189,8 @@ class SimulatedStorageCache(EvictingKVCache):
         self._settle()
         if self.spec.tiers:
             self._demote()
+        if self.storage.with_low_keys:  # read only when demoting: unevaluated, its updates would pile up
+            mx.async_eval(self.storage.low_keys)
         return self.storage.fetch(self._size)
 
     def _slot(self, position: int) -> int:
