@@ -166,7 +166,7 @@ class SimulatedStorageCache(EvictingKVCache):
     Args:
         spec: the storage simulated.
         memory: bytes per kv-head this layer may hold (16-bit model); sets the budget in
-            entries and, with tiers, how many entries stay in 8 bits.
+            entries and, with tiers, how many entries stay in the high tier.
         head_dim: the model's head dimension.
         policy, kwargs: as :class:`EvictingKVCache` (``budget``, ``window`` and ``storage`` are set here).
     """
@@ -222,14 +222,14 @@ class SimulatedStorageCache(EvictingKVCache):
             self.done += group
 
     def high_allowed(self) -> int:
-        """Entries outside the window that may stay in 8 bits within ``memory``."""
+        """Entries outside the window that may stay in the high tier within ``memory``."""
         held = self.offset - self.done
         outside = self._size - held
         room = self.memory - held * self.cost["8bit"] - outside * self.cost["low"]
         return max(0, min(outside, int(room // (self.cost["high"] - self.cost["low"]))))
 
     def _demote(self) -> None:
-        """Move the lowest-scored 8-bit entries to the low tier until the bytes fit."""
+        """Move the lowest-scored high-tier entries to the low tier until the bytes fit."""
         outside = self._size - (self.offset - self.done)
         allowed = self.high_allowed()
         C = self.low.shape[-1]

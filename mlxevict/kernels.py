@@ -39,8 +39,8 @@ def exp_poly(x: mx.array) -> mx.array:
     ``exp(x) = 2^n · e^t`` with ``n = round(x·log2 e)`` and ``|t| ≤ ln2 / 2``: ``n`` is rounded by adding
     :data:`ROUNDER` (whose float then holds ``n + 127`` in its low mantissa bits, moved to the exponent
     field for ``2^n``), ``e^t`` by its Taylor series to the 7th power (relative error under 1e-6). ``x``
-    below ``-87`` gives ``2^-126``, not 0. MLX's CPU ``exp``, ``floor`` and float-to-int casts are not
-    vectorized here: ``python -m mlxevict.benchmarks.scoring`` times the difference.
+    below ``-87`` gives ``2^-126``, not 0. MLX's CPU ``exp`` and ``floor`` are not vectorized
+    here: ``python -m mlxevict.benchmarks.scoring`` times the difference.
     """
     y = mx.maximum(x * LOG2E, -126.0)
     z = y + (ROUNDER + 127.0)
