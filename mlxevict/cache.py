@@ -166,6 +166,8 @@ class EvictingKVCache(CacheSlots, CacheEviction, CacheState, _BaseCache):
             self._fresh = (*self._fresh[:2], self._fresh[2] + S)
         self._size = end
         self.offset += S
+        if self.storage.demotes:
+            self._demote(self.storage.to_demote(self._size))  # the bytes back within the budget's
         if self.prompt_mode == "compress" and S == 1 and self.policy.evicts and self.capacity > self.budget:
             self._resize(self.budget)  # the prompt is compressed: back to a fixed capacity
         return self.storage.fetch(self._size)

@@ -15,10 +15,13 @@ from typing import Any
 from .channel_storage import ChannelStorage
 from .dense_storage import DenseStorage
 from .quantized_storage import QuantizedStorage
+from .tiered_storage import TieredStorage
 
 
 def storage_from_meta(meta: dict[str, Any]) -> Any:
     """The storage component a saved cache's metadata describes (quantized ones save ``kv_bits``)."""
+    if meta.get("low_bits"):
+        return TieredStorage.from_meta(meta)
     if meta.get("key_group"):
         return ChannelStorage.from_meta(meta)
     return DenseStorage() if meta.get("kv_bits") is None else QuantizedStorage.from_meta(meta)

@@ -52,12 +52,12 @@ def _qmm(x: mx.array, entries: tuple[mx.array, ...], transpose: bool, group_size
 
 def channel_decode_attention(
     queries: mx.array,
-    keys: tuple[tuple[mx.array, ...], tuple[mx.array, ...]],
-    values: tuple[tuple[mx.array, ...], tuple[mx.array, ...]],
+    keys: tuple[tuple[tuple[mx.array, ...], ...], tuple[mx.array, ...]],
+    values: tuple[tuple[tuple[mx.array, ...], ...], tuple[mx.array, ...]],
     rotation: Optional[mx.array],
     scale: float,
     group_size: int,
-    bits: tuple[int, int, int],
+    bits: tuple[tuple[tuple[int, int], ...], int],
     held_rotated: bool,
     dequantize: tuple = (channel_dequantize, token_dequantize),
 ) -> mx.array:
@@ -65,15 +65,15 @@ def channel_decode_attention(
 
     Args:
         queries: ``(B, H*G, 1, D)`` after RoPE.
-        keys: ``((codes, rows, scales, biases), held)``: the ``N`` quantized slots as
-            :meth:`ChannelStorage.fetch` returns them (``N ≥ 1``), then the ``F ≥ 1`` held keys,
-            an ``mx.quantize`` triple.
-        values: ``(quantized, held)``: the ``N`` values' (codes in bit planes, scales, biases), rotated
+        keys: ``(parts, held)``: each part ``N_i`` quantized slots ``(codes, rows, scales, biases)`` as
+            :meth:`ChannelStorage.fetch` returns them (one part; :class:`~mlxevict.tiered_storage.TieredStorage`:
+            the low tier, then the high), then the ``F ≥ 1`` held keys, an ``mx.quantize`` triple.
+        values: ``(parts, held)``: each part's values (codes in bit planes, scales, biases), rotated
             with a rotation, and the ``F`` held ones' ``mx.quantize`` triple.
         rotation: ``(Dv, Dv)`` the values' rotation (and the held keys', with ``held_rotated``), or ``None``.
         scale: the attention scale.
         group_size: channels per scale of the per-token triples.
-        bits: ``(key bits, value bits, held bits)``.
+        bits: ``(((key bits, value bits) per part), held bits)``.
         held_rotated: the held rows are stored rotated.
         dequantize: the keys' and the values' dequantization (plain, or compiled in
             :data:`channel_decode_attention_fast`).
@@ -81,26 +81,26 @@ def channel_decode_attention(
     Returns:
         ``(B, H*G, 1, Dv)`` in the queries' dtype.
     """
-    (quantized_keys, held_keys), (quantized_values, held_values) = keys, values
-    key_bits, value_bits, held_bits = bits
+    (key_parts, held_keys), (value_parts, held_values) = keys, values
+    part_bits, held_bits = bits
+    live = [i for i, part in enumerate(key_parts) if part[0].shape[2] > 0]  # parts without slots are skipped
     B, HG, _, D = queries.shape
     H = held_keys[0].shape[1]
     q = (queries * scale).reshape(B, H, HG // H, 1, D)  # B, H, G, 1, D
     if rotation is not None:
         rotation = rotation.astype(q.dtype)
     q_held = q @ rotation if held_rotated else q
-    scores = mx.concatenate(
-        [
-            channel_scores(q, *quantized_keys, key_bits, dequantize[0]),  # B, H, G, 1, N
-            _qmm(q_held, held_keys, True, group_size, held_bits),  # B, H, G, 1, F
-        ],
-        axis=-1,
-    )
+    # At least one part has slots (decodes_here).
+    part_scores = [channel_scores(q, *key_parts[i], part_bits[i][0], dequantize[0]) for i in live]  # B, H, G, 1, N_i
+    scores = mx.concatenate([*part_scores, _qmm(q_held, held_keys, True, group_size, held_bits)], axis=-1)
     probs = mx.softmax(scores, axis=-1, precise=True)
-    N = quantized_keys[0].shape[2]
-    dense_values = dequantize[1](*quantized_values, value_bits, group_size).astype(q.dtype)  # B, H, N, Dv
-    out = probs[..., :N] @ mx.expand_dims(dense_values, 2)  # B, H, G, 1, Dv
-    held_out = _qmm(probs[..., N:], held_values, False, group_size, held_bits)
+    out, first = None, 0
+    for i, s in zip(live, part_scores):
+        n = s.shape[-1]
+        dense_values = dequantize[1](*value_parts[i], part_bits[i][1], group_size).astype(q.dtype)  # B, H, N_i, Dv
+        part = probs[..., first : first + n] @ mx.expand_dims(dense_values, 2)  # B, H, G, 1, Dv
+        out, first = part if out is None else out + part, first + n
+    held_out = _qmm(probs[..., first:], held_values, False, group_size, held_bits)
     if rotation is None:
         out = out + held_out
     elif held_rotated:

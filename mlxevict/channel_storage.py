@@ -101,6 +101,7 @@ class ChannelStorage:
         return self.full_precision_window + self.key_group
 
     protected = held  # the held tokens are never evicted (the cache keeps this many newest positions)
+    demotes = False  # one tier (TieredStorage demotes)
 
     def empty(self) -> bool:
         return self.keys is None
@@ -217,27 +218,33 @@ class ChannelStorage:
     def _collect(self, n_quant: int) -> None:
         """Drop the table rows no kept slot uses (after a compaction); renumber the slots' rows."""
         self.compacted = False
-        codes, rows, table_s, table_b = self.keys
+        table_s, table_b = self.keys[2:]
         T = table_s.shape[2]
         if T == 0:
             return
-        B, H, C = rows.shape
-        kept = mx.arange(C) < n_quant  # C
+        B, H = table_s.shape[:2]
+        pools = self._row_pools(n_quant)  # (rows (B, H, C_i), kept slots n_i) of each pool of quantized slots
+        kept = [mx.arange(rows.shape[2]) < n for rows, n in pools]
         # Count each head's slots per row (dropped slots count in an extra row T), by one scatter-add.
-        idx = table_index(mx.where(kept, rows.astype(mx.int32), T), T + 1)
+        idx = mx.concatenate([table_index(mx.where(k, rows.astype(mx.int32), T), T + 1) for (rows, _), k in zip(pools, kept)])
         counts = mx.zeros((B * H * (T + 1),), mx.int32).at[idx].add(1)
         live = counts.reshape(B, H, T + 1)[..., :T] > 0  # B, H, T
         order = mx.argsort(mx.where(live, mx.arange(T), T + mx.arange(T)), axis=-1)  # live rows first, in order
         n_live = int(live.sum(axis=-1).max().item())
         renumber = (mx.cumsum(live.astype(mx.int32), axis=-1) - 1).astype(mx.uint16)  # B, H, T
         order = order[..., :n_live, None]
-        new_rows = mx.take_along_axis(renumber, rows.astype(mx.int32), axis=-1)
-        self.keys = (
-            codes,
-            mx.where(kept, new_rows, 0).astype(mx.uint16),
-            mx.take_along_axis(table_s, order, axis=2),
-            mx.take_along_axis(table_b, order, axis=2),
-        )
+        new_rows = [
+            mx.where(k, mx.take_along_axis(renumber, rows.astype(mx.int32), axis=-1), 0).astype(mx.uint16)
+            for (rows, _), k in zip(pools, kept)
+        ]
+        self._set_rows(new_rows, mx.take_along_axis(table_s, order, axis=2), mx.take_along_axis(table_b, order, axis=2))
+
+    def _row_pools(self, n_quant: int) -> list[tuple[mx.array, int]]:
+        """Each pool of quantized slots' table rows and how many of its slots are kept."""
+        return [(self.keys[1], n_quant)]
+
+    def _set_rows(self, rows: list[mx.array], table_s: mx.array, table_b: mx.array) -> None:
+        self.keys = (self.keys[0], rows[0], table_s, table_b)
 
     def fetch(self, size: int):
         """What :meth:`attend` reads of the ``size`` kept entries, as stored (slices, nothing computed):
@@ -250,14 +257,19 @@ class ChannelStorage:
         values = tuple(x[..., :n_quant, :] for x in self.values), tuple(x[..., :n, :] for x in self.fp_values)
         return keys, values
 
-    def _dense_keys(self, quantized: tuple[mx.array, ...], held: tuple[mx.array, ...]) -> mx.array:
+    def _parts(self, keys, values) -> tuple[tuple, tuple, tuple[tuple[int, int], ...]]:
+        """The quantized parts of what :meth:`fetch` returned: keys, values, and each part's ``(key, value)`` bits."""
+        return (keys[0],), (values[0],), ((self.key_bits, self.value_bits),)
+
+    def _dense_keys(self, keys, values) -> mx.array:
         """The keys :meth:`fetch` returned, dequantized and unrotated: ``(B, H, N + F, D)``."""
+        held = keys[1]
         held_k = self._held_dense(held, held[0].shape[2])
         if self.rotate_held:
             held_k = held_k @ self._value_rotation(held_k.dtype).T
-        if quantized[1].shape[2] == 0:
-            return held_k
-        return mx.concatenate([channel_dequantize(*quantized, self.key_bits).astype(held_k.dtype), held_k], axis=2)
+        key_parts, _, bits = self._parts(keys, values)
+        dense = [channel_dequantize(*k, b[0]).astype(held_k.dtype) for k, b in zip(key_parts, bits) if k[1].shape[2]]
+        return mx.concatenate([*dense, held_k], axis=2)
 
     def attend(self, queries, keys, values, scale, mask, sinks=None) -> mx.array:
         """Attention over what :meth:`fetch` returned, one softmax: ``(B, H*G, L, Dv)`` (the patched attention
@@ -265,23 +277,24 @@ class ChannelStorage:
         (the held rows read quantized); else dense entries and the model's fused attention."""
         if sinks is not None:
             raise ValueError("quantized KV storage does not support attention sinks; use kv_bits=None")
-        n_quant, n_held = keys[0][1].shape[2], keys[1][0].shape[2]
+        key_parts, value_parts, bits = self._parts(keys, values)
+        n_quant, n_held = sum(k[1].shape[2] for k in key_parts), keys[1][0].shape[2]
         rotation = self._value_rotation(queries.dtype)
         if decodes_here(queries, mask, n_quant, n_held):
-            bits = (self.key_bits, self.value_bits, HELD_BITS)
             return channel_decode_attention_fast(
-                queries, keys, values, rotation, scale, self.kv_group_size, bits, self.rotate_held
+                queries, (key_parts, keys[1]), (value_parts, values[1]), rotation, scale, self.kv_group_size,
+                (bits, HELD_BITS), self.rotate_held,
             )
         # Dense keys and values (the values rotated back) and the model's fused attention.
         held_v = self._held_dense(values[1], n_held)
-        dense = held_v[..., :0, :]
-        if n_quant:
-            dense = token_dequantize(*values[0], self.value_bits, self.kv_group_size)
+        group = self.kv_group_size
+        parts = [token_dequantize(*v, b[1], group).astype(held_v.dtype) for v, b in zip(value_parts, bits) if v[0].shape[2]]
+        dense = mx.concatenate(parts, axis=2) if parts else held_v[..., :0, :]
         if self.rotate_held:  # both rotated: rotate back once
             dense_v = mx.concatenate([dense, held_v], axis=2) @ rotation.T
         else:
             dense_v = mx.concatenate([dense if rotation is None else dense @ rotation.T, held_v], axis=2)
-        return mx.fast.scaled_dot_product_attention(queries, self._dense_keys(*keys), dense_v, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(queries, self._dense_keys(keys, values), dense_v, scale=scale, mask=mask)
 
     def max_rows(self, budget: int) -> int:
         """Table rows a cache of ``budget`` entries may hold: one per ``key_group`` quantized slots, plus
@@ -310,7 +323,7 @@ class ChannelStorage:
         if T <= allowed or n_quant <= 0:
             return rank_key, n_keep
         B, H, _ = rank_key.shape
-        rows = self.keys[1][..., :n_quant].astype(mx.int32)  # B, H, n
+        rows = self._row_pools(n_quant)[0][0][..., :n_quant].astype(mx.int32)  # B, H, n: the slots compaction moves
         values = rank_key[..., :n_quant]
         best = mx.full((B * H * T,), 2 * DEMOTED, mx.float32).at[table_index(rows, T)].maximum(values.reshape(-1)).reshape(B, H, T)
         order = mx.argsort(-best, axis=-1)  # B, H, T: best group first
@@ -337,7 +350,7 @@ class ChannelStorage:
     def dense_keys(self, size: int, capacity: int) -> mx.array:
         """``(B, H, C, D)`` keys in the model's dtype (a transient copy, for policies; zeros past ``size``)."""
         B, H, D, _, dtype = self.shape
-        keys = self._dense_keys(*self.fetch(size)[0])
+        keys = self._dense_keys(*self.fetch(size))
         return mx.concatenate([keys] + [mx.zeros((B, H, capacity - size, D), keys.dtype)] * (capacity > size), axis=2)
 
     # ---- save / load ----------------------------------------------------------

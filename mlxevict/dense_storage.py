@@ -31,6 +31,7 @@ class DenseStorage:
 
     kv_bits: Optional[int] = None  # the model's dtype
     protected = 0  # newest entries the storage itself needs kept (a recent window it holds apart)
+    demotes = False  # precision tiers: the cache demotes entries before it evicts (TieredStorage)
 
     def __init__(self) -> None:
         self.keys: Optional[mx.array] = None

@@ -51,8 +51,11 @@ class CacheEviction:
         No eviction comes while the kept entries and the next chunk fit the budget; the patched model
         (which alone feeds queries) calls with at most ``STATS_CHUNK`` tokens and never more than the
         budget less what is protected without pins (the most :attr:`max_chunk` can be); an eviction
-        reads the ``policy.query_window`` queries before it.
+        reads the ``policy.query_window`` queries before it. Storage that demotes (precision tiers) ranks
+        entries long before any eviction, so it reads every query.
         """
+        if self.storage.demotes:
+            return -1
         longest = min(STATS_CHUNK, self.budget - protected(self.sinks, self.protected_window) - self.slack)
         return self.budget - longest - self.policy.query_window
 
@@ -81,13 +84,40 @@ class CacheEviction:
         floor = protected(self.sinks, self.protected_window, self.pinned_tokens)
         return min(self._size, max(floor, self._last_budget - S - self.slack))
 
+    def _rank_key(self) -> mx.array:
+        """``(B, H, C)`` keep-priority: protected slots first, then the policy's scores, empty slots last."""
+        pinned = mx.array(self.pinned or [(0, 0)], dtype=mx.int32)
+        return priority_compiled(
+            self.policy.score(self), self.positions, mx.array(self.offset), self.sinks, self.protected_window, pinned
+        )
+
+    def _demote(self, k: Optional[int] = None) -> None:
+        """Demote the ``k`` (``None``: every) high-tier entries each head ranks lowest to the storage's low tier
+        (:class:`~mlxevict.tiered_storage.TieredStorage`): a cut in bits where an eviction would drop them."""
+        n_high = self.storage.n_high
+        k = n_high if k is None else k
+        if k <= 0:
+            return
+        self.flush()  # the policy's statistics must be current
+        n_low = self.storage.n_low(self._size)
+        high = self._rank_key()[..., n_low : n_low + n_high]  # B, H, n_high
+        lowest = mx.argsort(high, axis=-1)
+        order = mx.concatenate([mx.sort(lowest[..., :k], axis=-1), mx.sort(lowest[..., k:], axis=-1)], axis=-1)
+        # The per-slot arrays move with the entries: the demoted follow the low tier, the rest keep their order.
+        B, H, C = self.positions.shape
+        before = mx.broadcast_to(mx.arange(n_low), (B, H, n_low))
+        after = mx.broadcast_to(mx.arange(n_low + n_high, C), (B, H, C - n_low - n_high))
+        moved = mx.concatenate([before, n_low + order, after], axis=-1)
+        self.positions = mx.take_along_axis(self.positions, moved, axis=-1)
+        self.stats = mx.take_along_axis(self.stats, moved, axis=-1)
+        self.storage.demote(order, k, self._size)
+
     def _evict(self, n_keep: int) -> None:
         if n_keep >= self._size:
             return
-        pinned = mx.array(self.pinned or [(0, 0)], dtype=mx.int32)
-        rank_key = priority_compiled(
-            self.policy.score(self), self.positions, mx.array(self.offset), self.sinks, self.protected_window, pinned
-        )
+        if self.storage.demotes:
+            self._demote()  # an eviction moves the low tier only
+        rank_key = self._rank_key()
         rank_key, n_keep = self.storage.limit_groups(rank_key, n_keep, self._size, self.budget)  # storage's bound
         self._set_slots(compact_compiled(rank_key, mx.array(n_keep), self._slots()))
         self.evictions += 1

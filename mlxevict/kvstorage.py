@@ -32,12 +32,12 @@ NONE = "none"  # --kv-bits none: the model's dtype
 API = {
     "kv_bits": "kv_bits={!r}", "group": "kv_group_size={!r}", "fp": "full_precision_window={!r}",
     "window_bits": "window_bits={!r}", "bits_flag": "kv_bits", "pair": "(5, 3)", "none": "None",
-    "group_fix": "kv_group_size={}", "key_group": "key_group={!r}",
+    "group_fix": "kv_group_size={}", "key_group": "key_group={!r}", "low_bits": "low_bits={!r}",
 }  # fmt: skip
 FLAGS = {
     "kv_bits": "--kv-bits {}", "group": "--kv-group-size {}", "fp": "--fp-window {}",
     "window_bits": "--window-bits {}", "bits_flag": "--kv-bits", "pair": "5,3", "none": "none",
-    "group_fix": "--kv-group-size {}", "key_group": "--key-group {}",
+    "group_fix": "--kv-group-size {}", "key_group": "--key-group {}", "low_bits": "--low-bits {}",
 }  # fmt: skip
 
 
@@ -64,7 +64,7 @@ def storage_bytes(dim: int, dtype_size: int, bits: Optional[int] = None, group_s
 
 
 def _spell(names: Mapping[str, str], key: str, value: Any) -> str:
-    if key == "kv_bits" and names is FLAGS and isinstance(value, (tuple, list)):
+    if key in ("kv_bits", "low_bits") and names is FLAGS and isinstance(value, (tuple, list)):
         value = ",".join(map(str, value))
     return names[key].format(value)
 
@@ -82,6 +82,7 @@ def check(
     window_bits: Any = None,
     *,
     key_group: Any = None,
+    low_bits: Any = None,
     head_dims: tuple[int, ...] = (),
     names: Mapping[str, str] = API,
 ) -> None:
@@ -97,6 +98,8 @@ def check(
         window_bits: 8, when keys and values both take fewer bits.
         key_group: tokens per key scale (keys per channel, :mod:`mlxevict.channel_storage`): 32, 64 or 128,
             with key bits under 8 and ``window_bits`` 8.
+        low_bits: the low precision tier's ``(key bits, value bits)`` (:mod:`mlxevict.tiered_storage`):
+            with ``key_group``, each at most ``kv_bits``'s and one of them fewer.
         head_dims: the key and value head dims, when known.
         names: :data:`API` (``make_cache``'s argument names) or :data:`FLAGS` (the CLI's).
     """
@@ -139,6 +142,8 @@ def check(
                 f"{_spell(names, 'kv_bits', (5, 3))} {_spell(names, 'window_bits', 8)}: keys are quantized per "
                 "channel once their group leaves the 8-bit window"
             )
+    if low_bits is not None:
+        _check_low(kv_bits, low_bits, key_group, names)
     if full_precision_window is not None and (
         not isinstance(full_precision_window, int) or full_precision_window < 0
     ):
@@ -153,6 +158,19 @@ def check(
             fits = [str(g) for g in GROUP_SIZES if dim % g == 0]
             fix = f"use {FLAGS['group_fix'].format(' or '.join(fits))}" if fits else "store this model's KV unquantized"
             raise ValueError(f"{_spell(names, 'group', group)} does not divide the head dim {dim}; {fix}")
+
+
+def _check_low(kv_bits: Any, low_bits: Any, key_group: Any, names: Mapping[str, str]) -> None:
+    """The low tier's rule (:func:`check`): a pair of supported bits, under ``kv_bits``, keys per channel."""
+    low = _spell(names, "low_bits", low_bits)
+    if not isinstance(low_bits, (tuple, list)) or not _bits_ok(low_bits):
+        raise ValueError(f"{low} is not supported; use key and value bits such as {_spell(names, 'low_bits', (3, 2))}")
+    if key_group is None or kv_bits is None:
+        raise ValueError(f"{low} needs keys per channel, such as {_spell(names, 'kv_bits', (5, 3))} "
+                         f"{_spell(names, 'window_bits', 8)} {_spell(names, 'key_group', 64)}")
+    high = key_value_bits(kv_bits)
+    if any(lo > hi for lo, hi in zip(low_bits, high)) or tuple(low_bits) == high:
+        raise ValueError(f"{low} must take fewer bits than {_spell(names, 'kv_bits', kv_bits)} (the high tier)")
 
 
 @dataclass(frozen=True)
@@ -170,6 +188,9 @@ class KVStorage:
         key_group: ``None`` quantizes keys per token; 32, 64 or 128 quantizes them per channel over
             that many tokens (KIVI, :class:`~mlxevict.channel_storage.ChannelStorage`; values stay
             per token, rotated; needs ``window_bits=8``).
+        low_bits: with ``key_group``, precision tiers (:class:`~mlxevict.tiered_storage.TieredStorage`):
+            entries leave the window in ``kv_bits``, and the policy's lowest-scored are demoted to these
+            ``(key bits, value bits)`` before any is evicted; ``None``: one tier.
 
     Raises:
         ValueError: a combination that cannot work (see :func:`check`).
@@ -182,13 +203,15 @@ class KVStorage:
     full_precision_window: Optional[int] = None
     rotate: Optional[bool] = None
     key_group: Optional[int] = None
+    low_bits: Optional[tuple[int, int]] = None
 
     def __post_init__(self) -> None:
         if (self.key_bits is None) != (self.value_bits is None):
             raise ValueError(f"key_bits={self.key_bits} and value_bits={self.value_bits}: give both, or neither")
         bits = self.kv_bits
         group = self.group_size if bits else None
-        check(bits, group, self.full_precision_window, self.window_bits, key_group=self.key_group)
+        check(bits, group, self.full_precision_window, self.window_bits, key_group=self.key_group,
+              low_bits=self.low_bits)
         if bits is None:
             object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE)  # unused: one value for "the dtype"
 
@@ -203,13 +226,16 @@ class KVStorage:
         rotate: Optional[bool] = None,
         *,
         key_group: Optional[int] = None,
+        low_bits: Optional[KVBits] = None,
         names: Mapping[str, str] = API,
     ) -> "KVStorage":
         """From ``make_cache``'s storage arguments (``names=FLAGS``: the CLI's values, errors name flags)."""
-        check(kv_bits, group_size, full_precision_window, window_bits, key_group=key_group, names=names)
+        check(kv_bits, group_size, full_precision_window, window_bits, key_group=key_group, low_bits=low_bits,
+              names=names)
         key_bits, value_bits = (None, None) if kv_bits is None else key_value_bits(kv_bits)
         group = group_size or DEFAULT_GROUP_SIZE
-        return cls(key_bits, value_bits, group, window_bits, full_precision_window, rotate, key_group)
+        low = None if low_bits is None else key_value_bits(low_bits)
+        return cls(key_bits, value_bits, group, window_bits, full_precision_window, rotate, key_group, low)
 
     @classmethod
     def from_options(cls, **options: Any) -> "KVStorage":
@@ -224,6 +250,7 @@ class KVStorage:
             options.get("window_bits"),
             options.get("kv_rotate"),
             key_group=options.get("key_group"),
+            low_bits=options.get("low_bits"),
         )
 
     @classmethod
@@ -234,17 +261,23 @@ class KVStorage:
         full_precision_window: Optional[int] = None,
         window_bits: Optional[int] = None,
         key_group: Optional[int] = None,
+        low_bits: Optional[str] = None,
     ) -> "KVStorage":
-        """From the flags: ``--kv-bits`` text (``8``, ``4``, ``5,3`` or ``none``) and the others' values."""
+        """From the flags: ``--kv-bits`` text (``8``, ``4``, ``5,3`` or ``none``) and the others' values
+        (``--low-bits`` text such as ``3,2``)."""
         bits = parse_bits(text)
-        return cls.of(bits, group_size, full_precision_window, window_bits, key_group=key_group, names=FLAGS)
+        low = None if low_bits is None else parse_bits(low_bits)
+        return cls.of(bits, group_size, full_precision_window, window_bits, key_group=key_group, low_bits=low,
+                      names=FLAGS)
 
     @classmethod
     def from_suffix(cls, suffix: str) -> "KVStorage":
         """From a benchmark suffix: ``""``, ``":q8"``, ``":q4w8"``, ``":k5v3w8"``, ``":k5v3w8c64"`` (keys per
-        channel over 64 tokens); group size 64."""
+        channel over 64 tokens), ``":k5v3w8c64l32"`` (and a low tier: keys in 3 bits, values in 2); group
+        size 64."""
         text = suffix.removeprefix(":")
         text, _, channel = text.partition("c")
+        channel, _, low = channel.partition("l")
         window = 8 if text.endswith("w8") else None
         text = text.removesuffix("w8") if window else text
         try:
@@ -255,9 +288,10 @@ class KVStorage:
             else:
                 key, value = text.removeprefix("k").split("v")
                 bits = (int(key), int(value))
-            return cls.of(bits, window_bits=window, key_group=int(channel) if channel else None)
-        except ValueError:
-            known = ":q8, :q4, :q4w8, :k5v3w8 or :k5v3w8c64"
+            low_bits = (int(low[0]), int(low[1:])) if low else None
+            return cls.of(bits, window_bits=window, key_group=int(channel) if channel else None, low_bits=low_bits)
+        except (ValueError, IndexError):
+            known = ":q8, :q4, :q4w8, :k5v3w8, :k5v3w8c64 or :k5v3w8c64l32"
             raise ValueError(f"{suffix!r} is not a storage suffix; use {known}") from None
 
     # ---- reading it --------------------------------------------------------------------------------
@@ -277,7 +311,8 @@ class KVStorage:
         """``"5/3-bit"``, ``"8-bit"``, ``"5/3-bit KIVI-64"`` (keys per channel), or ``"model dtype"``."""
         if not self.quantized:
             return "model dtype"
-        return bits_label(self.kv_bits) + (f" KIVI-{self.key_group}" if self.key_group else "")
+        low = f", {bits_label(self.low_bits)} below" if self.low_bits else ""
+        return bits_label(self.kv_bits) + (f" KIVI-{self.key_group}" if self.key_group else "") + low
 
     @property
     def bits_text(self) -> str:
@@ -298,6 +333,8 @@ class KVStorage:
             parts.append(_spell(FLAGS, "window_bits", self.window_bits))
         if self.key_group is not None:
             parts.append(_spell(FLAGS, "key_group", self.key_group))
+        if self.low_bits is not None:
+            parts.append(_spell(FLAGS, "low_bits", self.low_bits))
         return " ".join(parts)
 
     @property
@@ -306,7 +343,8 @@ class KVStorage:
         if not self.quantized:
             return ""
         bits = f"q{self.key_bits}" if self.key_bits == self.value_bits else f"k{self.key_bits}v{self.value_bits}"
-        return f":{bits}{'w8' if self.window_bits else ''}{f'c{self.key_group}' if self.key_group else ''}"
+        low = f"l{self.low_bits[0]}{self.low_bits[1]}" if self.low_bits else ""
+        return f":{bits}{'w8' if self.window_bits else ''}{f'c{self.key_group}' if self.key_group else ''}{low}"
 
     def options(self) -> dict[str, Any]:
         """``make_cache``'s (and ``QuantizedEvictingKVCache``'s) storage arguments; ``{}`` for the dtype."""
@@ -319,6 +357,8 @@ class KVStorage:
             kv_rotate=self.rotate,
             window_bits=self.window_bits,
         )
+        if self.low_bits:
+            options["low_bits"] = self.low_bits
         return {**options, "key_group": self.key_group} if self.key_group else options
 
     def with_window(self, full_precision_window: Optional[int]) -> "KVStorage":
@@ -334,11 +374,13 @@ class KVStorage:
 
         Keys per channel (``key_group``): the packed codes, the row id, and the scale table counted
         per token as if every group kept its ``key_group`` tokens (a scale and a bias per channel).
+        Precision tiers (``low_bits``): the low tier's, the bytes a budget's every entry may take.
         """
-        values = storage_bytes(head_dim, dtype_size, self.value_bits, self.group_size)
+        key_bits, value_bits = self.low_bits or (self.key_bits, self.value_bits)
+        values = storage_bytes(head_dim, dtype_size, value_bits, self.group_size)
         if self.key_group:
             table = -(-2 * head_dim * dtype_size // self.key_group)
-            return head_dim * self.key_bits // 8 + ROW_ID_BYTES + table + values
+            return head_dim * key_bits // 8 + ROW_ID_BYTES + table + values
         return storage_bytes(head_dim, dtype_size, self.key_bits, self.group_size) + values
 
     def window_bytes_per_token(self, head_dim: int, dtype_size: int) -> Optional[int]:

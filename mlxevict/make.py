@@ -9,6 +9,7 @@ import mlx.nn as nn
 
 from .cache import DEFAULT_BUDGET, DEFAULT_SINKS, EvictingKVCache, default_window
 from .channel_storage import ChannelStorage
+from .tiered_storage import TieredStorage
 from .model_patch import check_supported, patch
 from .distributed import model_shard
 from .kvstorage import DEFAULT_GROUP_SIZE, KVBits, KVStorage
@@ -32,6 +33,7 @@ def make_cache(
     kv_rotate: bool | None = None,
     window_bits: int | None = None,
     key_group: int | None = None,
+    low_bits: KVBits | None = None,
     **policy_kwargs: Any,
 ) -> list[EvictingKVCache]:
     """Patch ``model`` and build one :class:`EvictingKVCache` per layer.
@@ -68,6 +70,9 @@ def make_cache(
         key_group: with key bits under 8 and ``window_bits=8``, quantize keys per channel over
             this many tokens (32, 64 or 128; KIVI, :class:`~mlxevict.channel_storage.ChannelStorage`)
             instead of per token. Default ``None``.
+        low_bits: with ``key_group``, precision tiers (:class:`~mlxevict.tiered_storage.TieredStorage`):
+            the policy's lowest-ranked entries are demoted to these ``(key bits, value bits)`` (such as
+            ``(3, 2)``) before any is evicted, and the budget counts entries at these bits. Default ``None``.
 
     Returns:
         A list with one cache per layer.
@@ -79,7 +84,7 @@ def make_cache(
     check_supported(model)  # before anything reads the model's geometry
     given = KVStorage.of(
         kv_bits, kv_group_size if kv_bits is not None else None, full_precision_window, window_bits, kv_rotate,
-        key_group=key_group,
+        key_group=key_group, low_bits=low_bits,
     )  # fmt: skip
     # Without kv_bits the planner chooses: the dtype for tokens, its memory rule for a budget in memory.
     plan = plan_cache(model, budget, given if given.quantized else None)
@@ -105,9 +110,12 @@ def make_cache(
 
 
 def channel_storage(storage: KVStorage, budget: int) -> ChannelStorage:
-    """A fresh :class:`ChannelStorage` for ``storage`` (keys per channel) and a cache of ``budget`` entries."""
+    """A fresh :class:`ChannelStorage` for ``storage`` (keys per channel) and a cache of ``budget`` entries
+    (:class:`TieredStorage` with ``low_bits``)."""
     window = default_window(budget) if storage.full_precision_window is None else storage.full_precision_window
     s = storage
+    if s.low_bits:
+        return TieredStorage(s.kv_bits, s.low_bits, budget, s.group_size, window, s.key_group, s.rotate, s.window_bits)
     return ChannelStorage(s.kv_bits, s.group_size, window, s.key_group, s.rotate, s.window_bits)
 
 

@@ -56,6 +56,8 @@ class QuantizedStorage:
             under 8 bits) stores it in 8 bits.
     """
 
+    demotes = False  # one tier (TieredStorage demotes)
+
     def __init__(
         self,
         kv_bits: KVBits = 8,

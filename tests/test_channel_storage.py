@@ -187,7 +187,8 @@ def test_decode_attention_equals_attention_over_dense_entries(storage, dim):
     queries, scale = mx.random.normal((1, 4, 1, dim), key=mx.random.key(5)), dim**-0.5
     dense = st.attend(queries, keys, values, scale, mx.ones((1, c.size()), mx.bool_))
     rotation = st._value_rotation(mx.float32)
-    args = (queries, keys, values, rotation, scale, st.kv_group_size, (st.key_bits, st.value_bits, 8), st.rotate_held)
+    bits = (((st.key_bits, st.value_bits),), 8)
+    args = (queries, ((keys[0],), keys[1]), ((values[0],), values[1]), rotation, scale, st.kv_group_size, bits, st.rotate_held)
     plain, compiled = channel_decode_attention(*args), channel_decode_attention_fast(*args)
     assert mx.allclose(plain, dense, atol=1e-5).item() and mx.allclose(compiled, plain, atol=1e-6).item()
     assert mx.array_equal(st.attend(queries, keys, values, scale, None), compiled).item()

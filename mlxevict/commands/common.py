@@ -12,7 +12,7 @@ from ..chat_session import STORAGE_KEYS  # noqa: F401 (make_cache's storage argu
 from ..errors import MlxEvictError
 from ..events import Finished
 from ..launch import RankStats, launched, load_sharded, rank_line
-from ..kvstorage import FLAGS, NONE, KVStorage, bits_label
+from ..kvstorage import FLAGS, NONE, KVStorage, bits_label, parse_bits
 from ..make import make_cache
 from ..memory import format_bytes
 from ..plan import CachePlan, plan_cache
@@ -48,12 +48,13 @@ def load(args: argparse.Namespace) -> tuple[Resolved, Any, Any]:
 def storage_flags(args: argparse.Namespace) -> Optional[KVStorage]:
     """The storage the flags ask for (checked, errors naming the flags); ``None``: the planner's rule."""
     flags = (args.kv_group_size, args.fp_window, args.window_bits)
-    key_group = getattr(args, "key_group", None)
-    if args.kv_bits is None and all(value is None for value in (*flags, key_group)):
+    key_group, low = getattr(args, "key_group", None), getattr(args, "low_bits", None)
+    if args.kv_bits is None and all(value is None for value in (*flags, key_group, low)):
         return None
     bits = None if args.kv_bits in (None, KV_BITS_NONE) else args.kv_bits
     try:
-        return KVStorage.of(bits, *flags, key_group=key_group, names=FLAGS)
+        low_bits = None if low is None else parse_bits(low)
+        return KVStorage.of(bits, *flags, key_group=key_group, low_bits=low_bits, names=FLAGS)
     except ValueError as err:
         raise MlxEvictError(str(err)) from None
 

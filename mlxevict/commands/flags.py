@@ -60,7 +60,7 @@ kv_bits_option.__name__ = "kv_bits"  # argparse names the type in "invalid kv_bi
 
 def add_cache_options(parser: argparse.ArgumentParser) -> None:
     """``--policy``, ``--budget`` (or mlx-lm's ``--max-kv-size``), ``--window``, ``--sinks`` and the storage:
-    ``--kv-bits``, ``--kv-group-size``, ``--fp-window``, ``--window-bits``, ``--key-group``."""
+    ``--kv-bits``, ``--kv-group-size``, ``--fp-window``, ``--window-bits``, ``--key-group``, ``--low-bits``."""
     group = parser.add_argument_group("KV cache")
     group.add_argument(
         "--policy", default="default", choices=policy_names(), help="eviction policy (default: %(default)s)"
@@ -127,6 +127,13 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --kv-bits 5,3 --window-bits 8: quantize keys per channel over N tokens (KIVI) instead of per "
         "token; a --budget in memory that must evict picks 64 unless --kv-bits is given",
+    )
+    group.add_argument(
+        "--low-bits",
+        default=None,
+        metavar="K,V",
+        help="with --key-group: precision tiers; the entries the policy ranks lowest are cut to these key and "
+        "value bits (such as 3,2) before any is evicted, and a --budget counts entries at these bits",
     )
 
 

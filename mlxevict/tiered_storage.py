@@ -1,0 +1,251 @@
+"""Tiered storage: precision tiers chosen by the policy's score before any entry is evicted.
+
+MiKV ("No Token Left Behind", Yang et al. 2024, https://arxiv.org/abs/2402.18096)
+keeps the important entries in more bits and the rest in fewer, instead of dropping
+them. Here, over :class:`~mlxevict.channel_storage.ChannelStorage` (keys per channel
+over groups of tokens, values per token, the newest tokens held in 8 bits):
+
+- a key group that leaves the window enters the **high tier** (``kv_bits``, e.g. 5/3);
+- when the bytes held would pass the budget's, the cache demotes the high-tier entries
+  its policy ranks lowest (:meth:`~mlxevict.eviction.CacheEviction._demote`) to the **low
+  tier** (``low_bits``, e.g. 3/2): a key's codes are re-rounded on its group's own range
+  (``c_low = round(c_high · (2^l - 1) / (2^h - 1))``, so the one scale table serves both
+  tiers: a low code's scale is the row's times ``(2^h - 1) / (2^l - 1)``); a value is
+  dequantized and quantized again per token in the low bits;
+- the cache evicts only when every entry in the low tier would still not fit: its budget
+  in entries is what the low tier's bytes allow (:meth:`KVStorage.bytes_per_token
+  <mlxevict.kvstorage.KVStorage.bytes_per_token>`), so with the whole budget held every
+  entry outside the window is low, and the eviction then works on the low tier alone.
+
+Slots, as the cache sees them: ``[0, n_low)`` the low tier (the slot arrays compaction
+moves), ``[n_low, n_low + n_high)`` the high tier, then the held rows. Both tiers hold
+exactly the slots they use plus, for the low tier, the ones an eviction freed (the
+next demotions fill them), so :attr:`nbytes` is what the tiers take; after each step it
+is at most :attr:`memory`, the bytes of the budget's entries all in the low tier
+(:func:`mlxevict.budget.held_nbytes`, the memory rule's own count).
+This module reproduces ``benchmarks/storage_variants.py``'s simulated ``kivi-tiers`` with real
+storage (the simulation rounds the low keys from the 8-bit rows, these from the high codes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+
+from .budget import held_nbytes
+from .channel_codes import WORD, pack_planes, planes_of, token_dequantize, unpack_planes
+from .channel_storage import HELD_BITS, ChannelStorage
+from .kvstorage import DEFAULT_GROUP_SIZE, KVBits, KVStorage, check, key_value_bits
+from .quantized_storage import quantized_zeros
+
+
+def _take(x: mx.array, idx: mx.array) -> mx.array:
+    """``x`` ``(B, H, C, ...)`` at the slots ``idx`` ``(B, H, n)``."""
+    return mx.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 3)), axis=2)
+
+
+class TieredStorage(ChannelStorage):
+    """Keys per channel and values per token in two precision tiers; see the module docstring.
+
+    Args:
+        kv_bits: the high tier's ``(key bits, value bits)``. Default ``(5, 3)``.
+        low_bits: the low tier's, fewer. Default ``(3, 2)``.
+        budget: the cache's budget in entries: the bytes of that many low-tier entries (with the held
+            rows and reserved table rows) are what the tiers may hold.
+        kv_group_size, full_precision_window, key_group, kv_rotate, window_bits, rotate_held: as
+            :class:`~mlxevict.channel_storage.ChannelStorage`.
+    """
+
+    demotes = True
+
+    def __init__(
+        self,
+        kv_bits: KVBits = (5, 3),
+        low_bits: KVBits = (3, 2),
+        budget: int = 2048,
+        kv_group_size: int = DEFAULT_GROUP_SIZE,
+        full_precision_window: int = 32,
+        key_group: int = 64,
+        kv_rotate: Optional[bool] = None,
+        window_bits: Optional[int] = HELD_BITS,
+        rotate_held: bool = True,
+    ):
+        super().__init__(kv_bits, kv_group_size, full_precision_window, key_group, kv_rotate, window_bits, rotate_held)
+        check(kv_bits, kv_group_size, key_group=key_group, window_bits=HELD_BITS, low_bits=tuple(key_value_bits(low_bits)))
+        self.low_key_bits, self.low_value_bits = key_value_bits(low_bits)
+        self.budget = budget
+        self.low_keys: Optional[tuple[mx.array, ...]] = None  # (codes in bit planes, table rows)
+        self.low_values: Optional[tuple[mx.array, ...]] = None  # (codes in bit planes, scales, biases)
+        self.memory = 0  # bytes the tiers may hold (set when allocated)
+
+    @property
+    def spec(self) -> KVStorage:
+        """The storage as :class:`~mlxevict.kvstorage.KVStorage` spells it."""
+        return KVStorage.of(
+            self.kv_bits, self.kv_group_size, self.full_precision_window, self.window_bits, self.kv_rotate,
+            key_group=self.key_group, low_bits=(self.low_key_bits, self.low_value_bits),
+        )  # fmt: skip
+
+    # ---- layout ------------------------------------------------------------
+    def allocate(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype, capacity: int) -> None:
+        super().allocate(B, H, D, Dv, dtype, self.full_precision_window)  # the held rows; no quantized slot
+        self.low_keys = (mx.zeros((B, H, 0, D * self.low_key_bits // WORD), mx.uint32), mx.zeros((B, H, 0), mx.uint16))
+        self.low_values = quantized_zeros((B, H, 0, Dv), dtype, self.low_value_bits, self.kv_group_size)
+        self.memory = B * H * self._head_memory(D, dtype.size)
+
+    def _head_memory(self, head_dim: int, dtype_size: int) -> int:
+        """Bytes per kv-head of the budget's entries, every one outside the window in the low tier."""
+        spec = self.spec
+        return held_nbytes(
+            self.budget, spec.bytes_per_token(head_dim, dtype_size), spec.window_bytes_per_token(head_dim, dtype_size),
+            self.full_precision_window, spec.held_extra, spec.fixed_bytes(head_dim, dtype_size),
+        )  # fmt: skip
+
+    def resize(self, capacity: int) -> None:
+        """Nothing: the tiers hold the slots they use, whatever the cache's capacity."""
+
+    @property
+    def n_high(self) -> int:
+        return 0 if self.keys is None else self.keys[1].shape[2]
+
+    def n_low(self, size: int) -> int:
+        """Low-tier entries of a cache holding ``size``."""
+        return size - self.n_full - self.n_high
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return super().nbytes + sum(x.nbytes for part in (self.low_keys, self.low_values) for x in part)
+
+    # ---- write and read ------------------------------------------------------
+    def _store_groups(self, fresh_k, fresh_v, n_held: int, done: int, slot: int) -> None:
+        """Complete key groups enter the high tier, appended after its slots."""
+        first = self.n_high
+        self.keys = (*(_grow(x, done) for x in self.keys[:2]), *self.keys[2:])
+        self.values = tuple(_grow(x, done) for x in self.values)
+        super()._store_groups(fresh_k, fresh_v, n_held, done, first)
+
+    def fetch(self, size: int):
+        """``(((low keys, high keys), held keys), ((low values, high values), held values))``: each tier's keys
+        ``(codes, rows, table scales, table biases)`` (the low tier's scales for its own bits), values
+        ``(codes, scales, biases)``, the held rows ``mx.quantize``'s 8-bit triples."""
+        n_low, n = self.n_low(size), self.n_full
+        codes, rows, table_s, table_b = self.keys
+        low_table = table_s * ((2**self.key_bits - 1) / (2**self.low_key_bits - 1))
+        low = (self.low_keys[0][..., :n_low, :], self.low_keys[1][..., :n_low], low_table, table_b)
+        keys = (low, self.keys), tuple(x[..., :n, :] for x in self.fp_keys)
+        values = (tuple(x[..., :n_low, :] for x in self.low_values), self.values), tuple(x[..., :n, :] for x in self.fp_values)
+        return keys, values
+
+    def _parts(self, keys, values) -> tuple[tuple, tuple, tuple[tuple[int, int], ...]]:
+        bits = ((self.low_key_bits, self.low_value_bits), (self.key_bits, self.value_bits))
+        return keys[0], values[0], bits
+
+    # ---- the tiers -------------------------------------------------------------
+    def to_demote(self, size: int) -> int:
+        """High-tier entries (per head) to demote so the bytes held fit :attr:`memory`; at most all of them."""
+        excess = self.nbytes - self.memory
+        if excess <= 0 or self.n_high == 0:
+            return 0
+        B, H = self.keys[1].shape[:2]
+        high, low = (B * H * self._entry_bytes(p) for p in (self.keys[:2] + self.values, self.low_keys + self.low_values))
+        spare = self.low_keys[1].shape[2] - self.n_low(size)  # low slots an eviction freed: no new bytes
+        if excess <= spare * high:
+            return min(self.n_high, -(-excess // high))
+        return min(self.n_high, spare + -(-(excess - spare * high) // (high - low)))
+
+    @staticmethod
+    def _entry_bytes(arrays: tuple[mx.array, ...]) -> int:
+        """Bytes one slot of a tier takes, per kv-head (its per-slot arrays)."""
+        return sum(x.itemsize * _row_size(x) for x in arrays)
+
+    def demote(self, order: mx.array, k: int, size: int) -> None:
+        """Move high-tier slots to the low tier: ``order`` ``(B, H, n_high)`` lists the high slots, the ``k`` to
+        demote first (each head its own), the rest in the order they keep; the demoted follow the low tier's
+        slots, as the cache moved its per-slot arrays."""
+        n_low = self.n_low(size)
+        down, stay = order[..., :k], order[..., k:]
+        codes, rows = (_take(x, down) for x in self.keys[:2])
+        ratio = (2**self.low_key_bits - 1) / (2**self.key_bits - 1)
+        low_codes = mx.floor(unpack_planes(codes, self.key_bits).astype(mx.float32) * ratio + 0.5)
+        low_codes = pack_planes(low_codes.astype(mx.uint32), self.low_key_bits)
+        dense_v = token_dequantize(*(_take(x, down) for x in self.values), self.value_bits, self.kv_group_size)
+        words, v_scales, v_biases = mx.quantize(dense_v, group_size=self.kv_group_size, bits=self.low_value_bits)
+        demoted = ((low_codes, rows), (planes_of(words, self.low_value_bits), v_scales, v_biases))
+        short = n_low + k - self.low_keys[1].shape[2]
+        self.low_keys, self.low_values = (tuple(_grow(x, short) for x in pool) for pool in (self.low_keys, self.low_values))
+        for pool, new in zip((self.low_keys, self.low_values), demoted):
+            for x, part in zip(pool, new):
+                x[:, :, n_low : n_low + k] = part
+        self.keys = (*(_take(x, stay) for x in self.keys[:2]), *self.keys[2:])
+        self.values = tuple(_take(x, stay) for x in self.values)
+
+    # ---- compaction moves the low tier (the cache demotes every high entry first) -------------
+    def slots(self) -> list[mx.array]:
+        if self.n_high:
+            raise ValueError("a tiered storage compacts its low tier only: demote the high tier first")
+        return [*self.low_keys, *self.low_values]
+
+    def set_slots(self, arrays: list[mx.array]) -> None:
+        self.low_keys, self.low_values = tuple(arrays[:2]), tuple(arrays[2:5])
+        self.compacted = True
+
+    def _row_pools(self, n_quant: int) -> list[tuple[mx.array, int]]:
+        n_low = n_quant - self.n_high
+        return [(self.low_keys[1], n_low), (self.keys[1], self.n_high)]
+
+    def _set_rows(self, rows: list[mx.array], table_s: mx.array, table_b: mx.array) -> None:
+        self.low_keys = (self.low_keys[0], rows[0])
+        self.keys = (self.keys[0], rows[1], table_s, table_b)
+
+    # ---- save / load ----------------------------------------------------------
+    @property
+    def state(self) -> tuple[Any, Any]:
+        if self.keys is None:
+            return None, None
+        keys, values = super().state
+        return (*keys, *self.low_keys), (*values, *self.low_values)
+
+    @state.setter
+    def state(self, v: tuple[Any, Any]) -> None:
+        if v[0] is None:
+            return
+        ChannelStorage.state.fset(self, (v[0][:-2], v[1][:-3]))
+        self.low_keys, self.low_values = tuple(v[0][-2:]), tuple(v[1][-3:])
+
+    def meta(self) -> dict[str, Any]:
+        return {**super().meta(), "low_bits": [self.low_key_bits, self.low_value_bits], "tier_budget": self.budget,
+                "memory": self.memory}  # fmt: skip
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> TieredStorage:
+        storage = cls(
+            kv_bits=meta["kv_bits"] if isinstance(meta["kv_bits"], int) else tuple(meta["kv_bits"]),
+            low_bits=tuple(meta["low_bits"]),
+            budget=meta["tier_budget"],
+            kv_group_size=meta["kv_group_size"],
+            full_precision_window=meta["full_precision_window"],
+            key_group=meta["key_group"],
+            kv_rotate=meta["kv_rotate"],
+            window_bits=meta["window_bits"],
+            rotate_held=meta["rotate_held"],
+        )
+        storage.n_full, storage.compacted, storage.memory = meta["n_full"], meta["compacted"], meta["memory"]
+        return storage
+
+
+def _row_size(x: mx.array) -> int:
+    """Elements of one slot of ``x`` ``(B, H, C, ...)`` per head."""
+    n = 1
+    for d in x.shape[3:]:
+        n *= d
+    return n
+
+
+def _grow(x: mx.array, n: int) -> mx.array:
+    """``x`` ``(B, H, C, ...)`` with ``n`` more zero slots (``n <= 0``: as it is)."""
+    if n <= 0:
+        return x
+    return mx.concatenate([x, mx.zeros((*x.shape[:2], n, *x.shape[3:]), x.dtype)], axis=2)
