@@ -211,14 +211,20 @@ def kv_bytes_16bit(caches: Sequence[Any], bound: bool = False) -> int:
     for c in caches:
         if c.empty():
             continue
+        storage = getattr(c, "storage", None)
         if isinstance(c, mlxevict.EvictingKVCache):
             arrays, held = [c.keys, c.values] + ([c.fp_keys, c.fp_values] if c.kv_bits else []), None
+            if storage.demotes:  # precision tiers: their low tier too; bound: the bytes they may hold
+                if bound:
+                    B, H, D = storage.shape[:3]
+                    total += B * H * storage.head_memory(D, 2)
+                    continue
+                arrays += [storage.low_keys, storage.low_values]
         else:
             arrays, held = [c.keys, c.values], min(c.offset, getattr(c, "max_size", None) or c.offset)
         for _, x in tree_flatten(arrays):
             slots = x.shape[2] if held is None else min(held, x.shape[2])
             total += x.size // max(x.shape[2], 1) * slots * (2 if mx.issubdtype(x.dtype, mx.floating) else x.dtype.size)
-        storage = getattr(c, "storage", None)
         if bound and hasattr(storage, "max_rows"):
             table = storage.keys[2]  # B, H, T, D
             rows = max(0, storage.max_rows(c.budget) - table.shape[2])

@@ -84,9 +84,10 @@ class CacheEviction:
         floor = protected(self.sinks, self.protected_window, self.pinned_tokens)
         return min(self._size, max(floor, self._last_budget - S - self.slack))
 
-    def _rank_key(self) -> mx.array:
-        """``(B, H, C)`` keep-priority: protected slots first, then the policy's scores, empty slots last."""
-        pinned = mx.array(self.pinned or [(0, 0)], dtype=mx.int32)
+    def _rank_key(self, pins: bool = True) -> mx.array:
+        """``(B, H, C)`` keep-priority: protected slots first (sinks, the window, and with ``pins`` the pinned
+        spans), then the policy's scores, empty slots last."""
+        pinned = mx.array((self.pinned if pins else None) or [(0, 0)], dtype=mx.int32)
         return priority_compiled(
             self.policy.score(self), self.positions, mx.array(self.offset), self.sinks, self.protected_window, pinned
         )
@@ -100,7 +101,8 @@ class CacheEviction:
             return
         self.flush()  # the policy's statistics must be current
         n_low = self.storage.n_low(self._size)
-        high = self._rank_key()[..., n_low : n_low + n_high]  # B, H, n_high
+        # Pins keep entries from eviction, not bits: a prompt streamed whole is pinned, and would tie.
+        high = self._rank_key(pins=False)[..., n_low : n_low + n_high]  # B, H, n_high
         lowest = mx.argsort(high, axis=-1)
         order = mx.concatenate([mx.sort(lowest[..., :k], axis=-1), mx.sort(lowest[..., k:], axis=-1)], axis=-1)
         # The per-slot arrays move with the entries: the demoted follow the low tier, the rest keep their order.

@@ -33,13 +33,13 @@ def reference_entries(storage: TieredStorage, size: int) -> tuple[mx.array, mx.a
     ((low, high), held_k), ((low_v, high_v), held_v) = storage.fetch(size)
     table_s, table_b = high[2], high[3]
 
-    def keys(codes, rows, bits, scale):
+    def keys(codes, rows, bits, bucket):  # a low code reads the middle of its bucket of `bucket` high codes
         idx = rows[..., None].astype(mx.int32)
-        s = mx.take_along_axis(table_s, idx, axis=2) * scale
-        return unpack_planes(codes, bits).astype(mx.float32) * s + mx.take_along_axis(table_b, idx, axis=2)
+        s, b = mx.take_along_axis(table_s, idx, axis=2), mx.take_along_axis(table_b, idx, axis=2)
+        return (unpack_planes(codes, bits).astype(mx.float32) * bucket + (bucket - 1) / 2) * s + b
 
     R = rotation_matrix(D)
-    k = [keys(*low[:2], 3, 31 / 7), keys(*high[:2], 5, 1.0), mx.dequantize(*held_k, group_size=D, bits=8) @ R.T]
+    k = [keys(*low[:2], 3, 4.0), keys(*high[:2], 5, 1.0), mx.dequantize(*held_k, group_size=D, bits=8) @ R.T]
     v = [token_dequantize(*low_v, 2, D) @ R.T, token_dequantize(*high_v, 3, D) @ R.T,
          mx.dequantize(*held_v, group_size=D, bits=8) @ R.T]  # fmt: skip
     return mx.concatenate(k, axis=2), mx.concatenate(v, axis=2)
@@ -107,7 +107,7 @@ def test_the_lowest_ranked_entries_are_demoted():
         assert (low_pos.max(axis=-1) < mx.where(high_pos < 4, 10**6, high_pos).min(axis=-1)).all().item()
 
 
-def test_a_demoted_key_is_its_high_code_rounded_to_fewer_bits():
+def test_a_demoted_key_is_its_high_code_without_its_low_bits():
     model = model64(layers=1)
     caches = make_cache(model, "window", 600, **TIERS)
     run_chunks(model, caches, random_tokens(200), [40] * 5)
@@ -115,16 +115,20 @@ def test_a_demoted_key_is_its_high_code_rounded_to_fewer_bits():
     ((low, high), _), _ = s.fetch(caches[0].size())
     before = caches[0].positions
     codes = unpack_planes(high[0], 5)
+    v_codes, v_scales, v_biases = unpack_planes(s.values[0], 3), s.values[1], s.values[2]
     run_chunks(model, caches, random_tokens(360), [40] * 9)  # more groups: the oldest high entries go down
-    ((low2, _), _), _ = s.fetch(caches[0].size())
+    ((low2, _), _), ((low2_v, _), _) = s.fetch(caches[0].size())
     assert low2[0].shape[2] > low[0].shape[2]
     n_low, positions = low[0].shape[2], caches[0].positions
     # The first demoted slot of each head holds an entry that was in the high tier before.
     for h in range(positions.shape[1]):
         p = positions[0, h, n_low].item()
         was = [i for i in range(before.shape[2]) if before[0, h, i].item() == p][0] - n_low
-        expected = mx.floor(codes[0, h, was].astype(mx.float32) * 7 / 31 + 0.5)
-        assert mx.array_equal(unpack_planes(low2[0][0, h, n_low], 3), expected.astype(mx.uint32)).item()
+        assert mx.array_equal(unpack_planes(low2[0][0, h, n_low], 3), codes[0, h, was] >> 2).item()
+        # Its value: codes without their low bit, read at the middle of each pair of 3-bit codes.
+        assert mx.array_equal(unpack_planes(low2_v[0][0, h, n_low], 2), v_codes[0, h, was] >> 1).item()
+        assert mx.allclose(low2_v[1][0, h, n_low], 2 * v_scales[0, h, was]).item()
+        assert mx.allclose(low2_v[2][0, h, n_low], v_biases[0, h, was] + v_scales[0, h, was] / 2).item()
 
 
 def test_save_and_load_continue_identically(tmp_path):
