@@ -18,7 +18,7 @@ CHOSEN = "chosen"  # the test half's name for the storage the tuning half picked
 TEST_POLICIES = ("default", "window", "snapkv", "entropy", "uncertainty")  # --policies adds tova, h2o, ...
 COMPRESS_POLICIES = ("default", "snapkv")
 TUNING_VARIANTS = ("kivi-k5v3", "tiers-k3v2")  # measured in docs/results/long; --variants tries the others
-PRODUCT_STORAGE = "default:k5v3w8c64"  # the memory-budget rule's storage today (keys per channel, the real kivi-k5v3)
+PRODUCT_STORAGE = "default:k5v3w8c64l32"  # the memory-budget rule's storage today (the real kivi-tiers)
 PARTS = ("baselines", "policies", "compress", "memory", "chosen")  # "variants": also every simulated storage
 
 

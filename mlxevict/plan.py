@@ -18,6 +18,7 @@ from .geometry import context_limit, kv_shape
 from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, SPLIT_BITS, KVStorage
 
 KEY_GROUP = 64  # tokens per key scale of the memory rule's per-channel keys (the one measured)
+LOW_BITS = (3, 2)  # the memory rule's low precision tier (docs/tiers.md)
 from .policies import make_policy
 from .room import default_slack, default_window, full_window, room_needed
 
@@ -53,11 +54,13 @@ def memory_storage(
     The finest storage that holds the model's whole context (its dtype, then 8 bits, then
     keys in 5 bits, values in 3 and the newest tokens in 8: nothing is ever evicted, so
     nothing is gained by fewer bits); else the same bits with keys quantized per channel
-    over 64 tokens (KIVI, :mod:`mlxevict.channel_storage`), which the long-context
-    suite's tuning half picked at 25% and 12.5% of a 16-bit cache's bytes
-    (docs/results/long/README.md), unless its 96 tokens held in 8 bits would take more
-    than half the budget (then per-token 5/3 bits). Ask for ``--kv-bits 5,3 --window-bits 8``
-    to keep per-token keys. The dtype when no group size divides the head dim.
+    over 64 tokens (KIVI, :mod:`mlxevict.channel_storage`) and a low tier of 3/2 bits that
+    the policy's lowest-ranked entries are demoted to before any is evicted
+    (:mod:`mlxevict.tiered_storage`), which the long-context suite's tuning half picked over
+    one 5/3 tier at 25% and 12.5% of a 16-bit cache's bytes (docs/tiers.md), unless its 96
+    tokens held in 8 bits would take more than half the budget (then per-token 5/3 bits). Ask
+    for ``--kv-bits 5,3 --window-bits 8`` (``--key-group 64``) to keep per-token keys (one
+    tier). The dtype when no group size divides the head dim.
 
     Args:
         request: a budget in memory or ``auto``.
@@ -73,7 +76,7 @@ def memory_storage(
     for storage in (DTYPE, KVStorage.of(8, group), per_token):
         if limit and budget_tokens(request, model_or_config, storage, available=available) >= limit:
             return storage
-    channel = KVStorage.of(SPLIT_BITS, group, window_bits=8, key_group=KEY_GROUP)
+    channel = KVStorage.of(SPLIT_BITS, group, window_bits=8, key_group=KEY_GROUP, low_bits=LOW_BITS)
     tokens = budget_tokens(request, model_or_config, channel, available=available)
     # Its 8-bit window and unfinished key group (96 tokens) must leave room to evict: at most half the budget.
     return channel if tokens >= 2 * (default_window(tokens) + KEY_GROUP) else per_token

@@ -152,21 +152,30 @@ class TieredStorage(ChannelStorage):
 
     # ---- the tiers -------------------------------------------------------------
     def to_demote(self, size: int) -> int:
-        """High-tier entries (per head) to demote so the bytes held fit :attr:`memory`; at most all of them."""
-        excess = self.nbytes - self.memory
-        if excess <= 0 or self.n_high == 0:
-            return 0
-        B, H = self.keys[1].shape[:2]
-        high, low = (B * H * self._entry_bytes(p) for p in (self.keys[:2] + self.values, self.low_keys + self.low_values))
-        spare = self.low_keys[1].shape[2] - self.n_low(size)  # low slots an eviction freed: no new bytes
-        if excess <= spare * high:
-            return min(self.n_high, -(-excess // high))
-        return min(self.n_high, spare + -(-(excess - spare * high) // (high - low)))
+        """High-tier entries (per head) to demote so the bytes held fit :attr:`memory`; at most all of them.
 
-    @staticmethod
-    def _entry_bytes(arrays: tuple[mx.array, ...]) -> int:
-        """Bytes one slot of a tier takes, per kv-head (its per-slot arrays)."""
-        return sum(x.itemsize * _row_size(x) for x in arrays)
+        Counted twice, in the model's dtype and as a 16-bit model holds them (floats at 2 bytes, as the
+        project compares memory): a float32 model on the CPU holds its scales at 4 bytes, which moves the
+        balance between the tiers and the 8-bit rows; the more demoting count wins (the same for 16 bits).
+        """
+        if self.n_high == 0:
+            return 0
+        B, H, D, _, dtype = self.shape
+        arrays = [x for part in (self.keys, self.values, self.fp_keys, self.fp_values, self.low_keys, self.low_values)
+                  for x in part]  # fmt: skip
+        spare = self.low_keys[1].shape[2] - self.n_low(size)  # low slots an eviction freed: no new bytes
+        counts = [0]
+        for float_size in {dtype.size, 2}:
+            excess = _nbytes(arrays, float_size) - B * H * self.head_memory(D, float_size)
+            if excess <= 0:
+                continue
+            high, low = (B * H * _nbytes(p, float_size, per_slot=True) for p in
+                         (self.keys[:2] + self.values, self.low_keys + self.low_values))  # fmt: skip
+            if excess <= spare * high:
+                counts.append(-(-excess // high))
+            else:
+                counts.append(spare + -(-(excess - spare * high) // (high - low)))
+        return min(self.n_high, max(counts))
 
     def demote(self, order: mx.array, k: int, size: int) -> None:
         """Move high-tier slots to the low tier: ``order`` ``(B, H, n_high)`` lists the high slots, the ``k`` to
@@ -253,12 +262,18 @@ def _bucket(scales: mx.array, biases: mx.array, drop: int) -> tuple[mx.array, mx
     return scales * 2**drop, biases + scales * ((2**drop - 1) / 2)
 
 
-def _row_size(x: mx.array) -> int:
-    """Elements of one slot of ``x`` ``(B, H, C, ...)`` per head."""
-    n = 1
-    for d in x.shape[3:]:
-        n *= d
-    return n
+def _nbytes(arrays, float_size: int, per_slot: bool = False) -> int:
+    """Bytes of ``arrays`` with floats at ``float_size`` bytes; ``per_slot``: of one slot of one head
+    (``(B, H, C, ...)`` arrays)."""
+    total = 0
+    for x in arrays:
+        n = x.size
+        if per_slot:
+            n = 1
+            for d in x.shape[3:]:
+                n *= d
+        total += n * (float_size if mx.issubdtype(x.dtype, mx.floating) else x.itemsize)
+    return total
 
 
 def _grow(x: mx.array, n: int) -> mx.array:

@@ -168,7 +168,7 @@ def _bytes_at(model, name, budget):
     return bcaches.kv_bytes_16bit(caches, bound=True)
 
 
-@pytest.mark.parametrize("name", ["default", "snapkv:q8", "default:q4w8", "default:k5v3w8", "default:k5v3w8c64"])
+@pytest.mark.parametrize("name", ["default", "snapkv:q8", "default:q4w8", "default:k5v3w8", "default:k5v3w8c64", "default:k5v3w8c64l32"])
 def test_memory_budget_is_the_most_entries_that_fit(model, name):
     context, fraction = 400, 0.25
     limit = fraction * context * bcaches.layer_kv_bytes_per_token(model, 2)

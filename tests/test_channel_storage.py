@@ -31,6 +31,7 @@ from mlxevict.plan import memory_storage, plan_cache
 from mlxevict.budget import parse_budget
 from mlxevict.rotation import rotation_matrix
 from mlxevict.stats import cache_stats
+from mlxevict.tiered_storage import TieredStorage
 
 D = 64  # the simulation quantizes per token in groups of 64 channels
 KIVI = dict(kv_bits=(5, 3), kv_group_size=D, window_bits=8, key_group=64)
@@ -328,13 +329,13 @@ def test_a_memory_budget_that_must_evict_picks_channel_keys_and_explicit_bits_ke
     model = model64(max_position_embeddings=4096)
     per_token_all = storage_nbytes(model, 4096, KVStorage.of((5, 3), D, window_bits=8))
     picked = memory_storage(parse_budget(f"{per_token_all // 2}B"), model, 4096)
-    assert picked.key_group == 64 and picked.kv_bits == (5, 3) and picked.window_bits == 8
+    assert picked.key_group == 64 and picked.kv_bits == (5, 3) and picked.window_bits == 8 and picked.low_bits == (3, 2)
     assert memory_storage(parse_budget(f"{per_token_all}B"), model, 4096).key_group is None  # holds everything
     # 150 entries: the 96 tokens held in 8 bits would be more than half of them, so keys stay per token
-    small = storage_nbytes(model, 150, KVStorage.of((5, 3), D, window_bits=8, key_group=64))
+    small = storage_nbytes(model, 150, KVStorage.of((5, 3), D, window_bits=8, key_group=64, low_bits=(3, 2)))
     assert memory_storage(parse_budget(f"{small}B"), model, 4096) == KVStorage.of((5, 3), D, window_bits=8)
     caches = make_cache(model, "default", f"{per_token_all // 2}B")
-    assert isinstance(caches[0].storage, ChannelStorage)
+    assert isinstance(caches[0].storage, TieredStorage)
     explicit = make_cache(model, "default", f"{per_token_all // 2}B", kv_bits=(5, 3), kv_group_size=D, window_bits=8)
     assert type(explicit[0]).__name__ == "QuantizedEvictingKVCache"
     assert FLAGS["key_group"].format(64) == "--key-group 64"

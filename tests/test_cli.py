@@ -332,13 +332,13 @@ def test_plain_chat_with_a_memory_budget_keeps_its_storage_for_budget_changes(ca
     rc, _, err = cli(capsys, *args, stdin="\n".join(lines) + "\n")
     stats = [line for line in err.splitlines() if line.startswith("[")]
     assert rc == 0 and len(stats) == 2 and all("(5/3-bit)" in line for line in stats)
-    assert err.startswith("chatting with tiny32 (policy default, budget 397, KV in 5/3-bit KIVI-64); /help")
+    assert err.startswith("chatting with tiny32 (policy default, budget 526, KV in 5/3-bit KIVI-64, 3/2-bit below); /help")
     capacities = [int(re.search(r"KV kept \d+/(\d+)", line).group(1)) for line in stats]
-    # keys per channel: 184 B a token, the window (min(32, budget/8)) and a 64-token key group at 320 B, and
-    # 2 reserved scale-table rows (512 B per kv-head)
+    # precision tiers over keys per channel: 136 B a token in the low tier (3/2 bits), the window
+    # (min(32, budget/8)) and a 64-token key group at 320 B, and 2 reserved scale-table rows (512 B per kv-head)
     fixed = 4 * 512
-    assert capacities[0] == (100_000 - 96 * 320 - fixed) // 184 + 32
-    assert capacities[1] == (60_000 - 87 * 320 - fixed) // 184 + 23
+    assert capacities[0] == (100_000 - 96 * 320 - fixed) // 136 + 32
+    assert capacities[1] == (60_000 - 93 * 320 - fixed) // 136 + 29
 
 
 def test_plain_chat_budget_command_stores_as_the_budget_flag_does(capsys, tiny32):
@@ -348,7 +348,7 @@ def test_plain_chat_budget_command_stores_as_the_budget_flag_does(capsys, tiny32
     lines = ["/budget 100KB", "Hello there", "/quit"]
     rc, _, err = cli(capsys, "chat", tiny32, "--plain", "--budget", "64", "--max-tokens", "4", stdin="\n".join(lines) + "\n")
     stats = [line for line in err.splitlines() if line.startswith("[")]
-    assert rc == 0 and f"budget {flag['budget']} tokens, KV in 5/3-bit KIVI-64 from the next turn" in err
+    assert rc == 0 and f"budget {flag['budget']} tokens, KV in 5/3-bit KIVI-64, 3/2-bit below from the next turn" in err
     assert len(stats) == 1 and re.search(rf"KV kept \d+/{flag['budget']},", stats[0]) and "(5/3-bit)" in stats[0]
 
 
@@ -500,10 +500,10 @@ def test_a_memory_budget_stores_keys_in_5_bits_values_in_3_and_holds_to_its_byte
         assert caches[bits]["nbytes"] <= 100_000, bits  # the window counted at its own size
     assert caches[None]["kv_bits"] == [5, 3] and caches["none"]["kv_bits"] is None
     assert caches["none"]["budget"] == 100_000 // 1024  # 2 layers x 2 kv-heads x 32 x 2 x float32
-    # keys per channel: codes 20 B + row 2 + their share of the scale table 4, values 12 + scale and bias 8:
-    # 46 B a kv-head, 184 B a token; the newest 32 and a 64-token key group in 8 bits (320 B); 2 reserved
-    # scale-table rows (512 B per kv-head)
-    assert caches[None]["budget"] == (100_000 - 96 * 320 - 4 * 512) // 184 + 32
+    # precision tiers, an entry counted in the low tier (keys 3 bits per channel): codes 12 B + row 2 + their
+    # share of the scale table 4, values 8 + scale and bias 8: 34 B a kv-head, 136 B a token; the newest 32
+    # and a 64-token key group in 8 bits (320 B); 2 reserved scale-table rows (512 B per kv-head)
+    assert caches[None]["budget"] == (100_000 - 96 * 320 - 4 * 512) // 136 + 32
     # --kv-bits 4 keeps its window in full precision (1024 B), so fewer tokens fit than under the default
     assert caches["none"]["budget"] < caches["4"]["budget"] < caches[None]["budget"]
 
@@ -609,9 +609,11 @@ def test_unsupported_kv_bits_are_refused_by_the_parser(capsys, tiny, bits):
 
 def test_info_shows_bytes_per_token_per_storage_mode(capsys, tiny32, tiny):
     rc, out, _ = cli(capsys, "info", tiny32, "--json")
-    modes = {(tuple(b) if isinstance(b := m["kv_bits"], list) else b): m for m in json.loads(out)["storage_modes"]}
-    # keys in 5 bits and values in 3 cost what 4 bits cost
+    *plain, tiers = json.loads(out)["storage_modes"]
+    modes = {(tuple(b) if isinstance(b := m["kv_bits"], list) else b): m for m in plain}
+    # keys in 5 bits and values in 3 cost what 4 bits cost; the memory rule's tiers count an entry at 3/2 bits
     assert rc == 0 and {b: m["bytes_per_token"] for b, m in modes.items()} == {None: 1024, 8: 320, 4: 192, (5, 3): 192}
+    assert tiers["flags"].endswith("--key-group 64 --low-bits 3,2") and tiers["bytes_per_token"] == 136
     assert modes[4]["fits_tokens"] > modes[8]["fits_tokens"] > modes[None]["fits_tokens"] > 0
     rc, out, _ = cli(capsys, "info", tiny32)
     # each storage by the flags that ask for it (this head dim needs group size 32)

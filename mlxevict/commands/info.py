@@ -19,7 +19,7 @@ from ..geometry import kv_shape, weights_nbytes
 from ..kvstorage import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS, SPLIT_BITS, KVStorage
 from ..memory import DEFAULT_MARGIN, format_bytes
 from ..openblas import openblas_library, openblas_loaded
-from ..plan import plan_cache
+from ..plan import KEY_GROUP, LOW_BITS, plan_cache
 from ..resolve import check_architecture, hub_weights_nbytes, resolve_model
 from .flags import add_model_argument
 
@@ -77,13 +77,17 @@ def _weights_size(resolved, config_weights: int) -> tuple[Optional[int], str]:
 
 
 def storage_modes(shape, kv_memory: int) -> list[dict[str, Any]]:
-    """Bytes per token and the tokens ``kv_memory`` holds: the model's dtype, 8 and 4 bits, 5/3 bits."""
+    """Bytes per token and the tokens ``kv_memory`` holds: the model's dtype, 8 and 4 bits, 5/3 bits, and the
+    memory rule's precision tiers (an entry counted in its low tier, as their budget counts it)."""
     group = next((g for g in (DEFAULT_GROUP_SIZE, *GROUP_SIZES) if shape.head_dim % g == 0), None)
     modes = []
-    for bits in (None, *KV_BITS, SPLIT_BITS):
+    storages = [KVStorage.of(bits, group if bits else None) for bits in (None, *KV_BITS, SPLIT_BITS)]
+    if group is not None:
+        storages.append(KVStorage.of(SPLIT_BITS, group, window_bits=8, key_group=KEY_GROUP, low_bits=LOW_BITS))
+    for storage in storages:
+        bits = storage.kv_bits
         if bits is not None and group is None:
             continue  # no group size divides the head dim: the render says so
-        storage = KVStorage.of(bits, group if bits else None)
         per_token = shape.storage_bytes(storage)
         modes.append(
             {
