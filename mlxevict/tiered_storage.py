@@ -85,6 +85,7 @@ class TieredStorage(ChannelStorage):
         self.low_keys: Optional[tuple[mx.array, ...]] = None  # (codes in bit planes, table rows)
         self.low_values: Optional[tuple[mx.array, ...]] = None  # (codes in bit planes, scales, biases)
         self.memory = 0  # bytes the tiers may hold (set when allocated)
+        self.grew = False  # a group entered the high tier since the bytes were last checked
 
     @property
     def spec(self) -> KVStorage:
@@ -129,7 +130,7 @@ class TieredStorage(ChannelStorage):
     # ---- write and read ------------------------------------------------------
     def _store_groups(self, fresh_k, fresh_v, n_held: int, done: int, slot: int) -> None:
         """Complete key groups enter the high tier, appended after its slots."""
-        first = self.n_high
+        first, self.grew = self.n_high, True
         self.keys = (*(_grow(x, done) for x in self.keys[:2]), *self.keys[2:])
         self.values = tuple(_grow(x, done) for x in self.values)
         super()._store_groups(fresh_k, fresh_v, n_held, done, first)
@@ -158,8 +159,9 @@ class TieredStorage(ChannelStorage):
         project compares memory): a float32 model on the CPU holds its scales at 4 bytes, which moves the
         balance between the tiers and the 8-bit rows; the more demoting count wins (the same for 16 bits).
         """
-        if self.n_high == 0:
-            return 0
+        if not self.grew or self.n_high == 0:
+            return 0  # only a group entering the high tier adds bytes
+        self.grew = False
         B, H, D, _, dtype = self.shape
         arrays = [x for part in (self.keys, self.values, self.fp_keys, self.fp_values, self.low_keys, self.low_values)
                   for x in part]  # fmt: skip
