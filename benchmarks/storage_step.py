@@ -4,7 +4,8 @@
 this splits one layer's step (SmolLM2-135M's shapes: 3 kv-heads, 9 query heads,
 head dim 64) into the cache write (fold, window shift, quantize) and the attention,
 with synthetic keys, the modes taking turns in rounds (the first round warms up).
-``k5v3w8c64`` is keys per channel (:class:`~mlxevict.channel_storage.ChannelStorage`);
+``k5v3w8c64`` is keys per channel (:class:`~mlxevict.channel_storage.ChannelStorage`), ``k5v3w8c64l32``
+its precision tiers (:class:`~mlxevict.tiered_storage.TieredStorage`);
 ``mlx-lm q4`` is mlx-lm's ``QuantizedKVCache(bits=4)`` holding ``2 * budget`` tokens, the decode
 speed target's reference (its write and its attention, as ``mlx_lm.models.base`` runs them):
 
@@ -24,6 +25,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 from mlxevict.cache import EvictingKVCache
 from mlxevict.channel_storage import ChannelStorage
 from mlxevict.quantized import QuantizedEvictingKVCache
+from mlxevict.tiered_storage import TieredStorage
 
 MODES = {
     "q8": dict(kv_bits=8),
@@ -31,13 +33,17 @@ MODES = {
     "q4w8": dict(kv_bits=4, window_bits=8),
     "k5v3w8": dict(kv_bits=(5, 3), window_bits=8),
     "k5v3w8c64": dict(kv_bits=(5, 3), window_bits=8, key_group=64),
+    "k5v3w8c64l32": dict(kv_bits=(5, 3), window_bits=8, key_group=64, low_bits=(3, 2)),
 }
 MLX_LM_Q4 = "mlx-lm q4"
 
 
-def filled_cache(budget: int, heads: int, dim: int, key_group: int | None = None, **storage):
+def filled_cache(budget: int, heads: int, dim: int, key_group: int | None = None, low_bits=None, **storage):
     """A ``window``-policy cache holding ``budget - 56`` tokens: full within two rounds, then evicting."""
-    if key_group:
+    if low_bits:
+        tiers = TieredStorage(storage["kv_bits"], low_bits, budget, key_group=key_group)
+        cache = EvictingKVCache("window", budget, storage=tiers)
+    elif key_group:
         cache = EvictingKVCache("window", budget, storage=ChannelStorage(key_group=key_group, **storage))
     else:
         cache = QuantizedEvictingKVCache("window", budget, **storage)

@@ -99,14 +99,17 @@ class CacheEviction:
         k = n_high if k is None else k
         if k <= 0:
             return
-        self.flush()  # the policy's statistics must be current
         n_low = self.storage.n_low(self._size)
+        B, H, C = self.positions.shape
+        if k >= n_high:  # all of them (a full budget, or an eviction next): no ranking, no slot moves
+            self.storage.demote(mx.broadcast_to(mx.arange(n_high), (B, H, n_high)), n_high, self._size)
+            return
+        self.flush()  # the policy's statistics must be current
         # Pins keep entries from eviction, not bits: a prompt streamed whole is pinned, and would tie.
         high = self._rank_key(pins=False)[..., n_low : n_low + n_high]  # B, H, n_high
         lowest = mx.argsort(high, axis=-1)
         order = mx.concatenate([mx.sort(lowest[..., :k], axis=-1), mx.sort(lowest[..., k:], axis=-1)], axis=-1)
         # The per-slot arrays move with the entries: the demoted follow the low tier, the rest keep their order.
-        B, H, C = self.positions.shape
         before = mx.broadcast_to(mx.arange(n_low), (B, H, n_low))
         after = mx.broadcast_to(mx.arange(n_low + n_high, C), (B, H, C - n_low - n_high))
         moved = mx.concatenate([before, n_low + order, after], axis=-1)
