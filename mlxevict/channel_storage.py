@@ -385,17 +385,16 @@ class ChannelStorage:
             "key_planes": True,
         }
 
+    @staticmethod
+    def _settings(meta: dict[str, Any]) -> dict[str, Any]:
+        """The constructor's arguments :meth:`meta` saved."""
+        keys = ("kv_group_size", "full_precision_window", "key_group", "kv_rotate", "window_bits", "rotate_held")
+        bits = meta["kv_bits"] if isinstance(meta["kv_bits"], int) else tuple(meta["kv_bits"])
+        return {"kv_bits": bits, **{k: meta[k] for k in keys}}
+
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> ChannelStorage:
-        storage = cls(
-            kv_bits=meta["kv_bits"] if isinstance(meta["kv_bits"], int) else tuple(meta["kv_bits"]),
-            kv_group_size=meta["kv_group_size"],
-            full_precision_window=meta["full_precision_window"],
-            key_group=meta["key_group"],
-            kv_rotate=meta["kv_rotate"],
-            window_bits=meta["window_bits"],
-            rotate_held=meta["rotate_held"],
-        )
+        storage = cls(**cls._settings(meta))
         storage.n_full, storage.compacted = meta["n_full"], meta["compacted"]
         storage.mx_quantize_codes = not meta.get("key_planes", False)
         return storage

@@ -237,20 +237,14 @@ class TieredStorage(ChannelStorage):
         return {**super().meta(), "low_bits": [self.low_key_bits, self.low_value_bits], "tier_budget": self.budget,
                 "memory": self.memory}  # fmt: skip
 
+    @staticmethod
+    def _settings(meta: dict[str, Any]) -> dict[str, Any]:
+        return {**ChannelStorage._settings(meta), "low_bits": tuple(meta["low_bits"]), "budget": meta["tier_budget"]}
+
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> TieredStorage:
-        storage = cls(
-            kv_bits=meta["kv_bits"] if isinstance(meta["kv_bits"], int) else tuple(meta["kv_bits"]),
-            low_bits=tuple(meta["low_bits"]),
-            budget=meta["tier_budget"],
-            kv_group_size=meta["kv_group_size"],
-            full_precision_window=meta["full_precision_window"],
-            key_group=meta["key_group"],
-            kv_rotate=meta["kv_rotate"],
-            window_bits=meta["window_bits"],
-            rotate_held=meta["rotate_held"],
-        )
-        storage.n_full, storage.compacted, storage.memory = meta["n_full"], meta["compacted"], meta["memory"]
+        storage = super().from_meta(meta)
+        storage.memory = meta["memory"]
         return storage
 
 
