@@ -136,9 +136,13 @@ class ChannelStorage:
 
     @property
     def nbytes(self) -> int:
+        return sum(x.nbytes for x in self._arrays())
+
+    def _arrays(self) -> list[mx.array]:
+        """Every array the storage holds (none before the first token)."""
         if self.keys is None:
-            return 0
-        return sum(x.nbytes for part in (self.keys, self.values, self.fp_keys, self.fp_values) for x in part)
+            return []
+        return [x for part in (self.keys, self.values, self.fp_keys, self.fp_values) for x in part]
 
     @property
     def table_rows(self) -> int:

@@ -99,11 +99,11 @@ class CacheEviction:
         k = n_high if k is None else k
         if k <= 0:
             return
+        if k >= n_high:  # all of them (a full budget, or an eviction next): no ranking, no slot moves
+            self.storage.demote(None, n_high, self._size)
+            return
         n_low = self.storage.n_low(self._size)
         B, H, C = self.positions.shape
-        if k >= n_high:  # all of them (a full budget, or an eviction next): no ranking, no slot moves
-            self.storage.demote(mx.broadcast_to(mx.arange(n_high), (B, H, n_high)), n_high, self._size)
-            return
         self.flush()  # the policy's statistics must be current
         # Pins keep entries from eviction, not bits: a prompt streamed whole is pinned, and would tie.
         high = self._rank_key(pins=False)[..., n_low : n_low + n_high]  # B, H, n_high

@@ -121,11 +121,8 @@ class TieredStorage(ChannelStorage):
         """Low-tier entries of a cache holding ``size``."""
         return size - self.n_full - self.n_high
 
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return super().nbytes + sum(x.nbytes for part in (self.low_keys, self.low_values) for x in part)
+    def _arrays(self) -> list[mx.array]:
+        return [*super()._arrays(), *self.low_keys, *self.low_values] if self.keys is not None else []
 
     # ---- write and read ------------------------------------------------------
     def _store_groups(self, fresh_k, fresh_v, n_held: int, done: int, slot: int) -> None:
@@ -163,8 +160,7 @@ class TieredStorage(ChannelStorage):
             return 0  # only a group entering the high tier adds bytes
         self.grew = False
         B, H, D, _, dtype = self.shape
-        arrays = [x for part in (self.keys, self.values, self.fp_keys, self.fp_values, self.low_keys, self.low_values)
-                  for x in part]  # fmt: skip
+        arrays = self._arrays()
         spare = self.low_keys[1].shape[2] - self.n_low(size)  # low slots an eviction freed: no new bytes
         counts = [0]
         for float_size in {dtype.size, 2}:
@@ -179,14 +175,17 @@ class TieredStorage(ChannelStorage):
                 counts.append(spare + -(-(excess - spare * high) // (high - low)))
         return min(self.n_high, max(counts))
 
-    def demote(self, order: mx.array, k: int, size: int) -> None:
+    def demote(self, order: Optional[mx.array], k: int, size: int) -> None:
         """Move high-tier slots to the low tier: ``order`` ``(B, H, n_high)`` lists the high slots, the ``k`` to
-        demote first (each head its own), the rest in the order they keep; the demoted follow the low tier's
-        slots, as the cache moved its per-slot arrays."""
+        demote first (each head its own), the rest in the order they keep; ``None``: all ``k = n_high`` of them,
+        in their order. The demoted follow the low tier's slots, as the cache moved its per-slot arrays."""
         n_low = self.n_low(size)
-        down, stay = order[..., :k], order[..., k:]
-        codes, rows = (_take(x, down) for x in self.keys[:2])
-        v_codes, v_scales, v_biases = (_take(x, down) for x in self.values)
+        if order is None:
+            down, stay = (lambda x: x), (lambda x: x[:, :, :0])
+        else:
+            down, stay = (lambda x: _take(x, order[..., :k])), (lambda x: _take(x, order[..., k:]))
+        codes, rows = (down(x) for x in self.keys[:2])
+        v_codes, v_scales, v_biases = (down(x) for x in self.values)
         demoted = (
             (_shift(codes, self.key_bits, self.low_key_bits), rows),
             (_shift(v_codes, self.value_bits, self.low_value_bits),
@@ -197,8 +196,8 @@ class TieredStorage(ChannelStorage):
         for pool, new in zip((self.low_keys, self.low_values), demoted):
             for x, part in zip(pool, new):
                 x[:, :, n_low : n_low + k] = part
-        self.keys = (*(_take(x, stay) for x in self.keys[:2]), *self.keys[2:])
-        self.values = tuple(_take(x, stay) for x in self.values)
+        self.keys = (*(stay(x) for x in self.keys[:2]), *self.keys[2:])
+        self.values = tuple(stay(x) for x in self.values)
 
     # ---- compaction moves the low tier (the cache demotes every high entry first) -------------
     def slots(self) -> list[mx.array]:
