@@ -156,7 +156,9 @@ def entries_within(model: nn.Module, name: str, fraction: float, context: int, s
     (a window in other bits than the rest is not linear in the budget); no model runs
     (a forward of ``budget + 1`` tokens per probe took 85 of `eval --quick`'s 165 s of
     runs). ``tests/test_benchmarks.py`` checks the result against caches fed by the model.
-    ``rotating`` holds 16-bit entries. At most ``context`` entries.
+    ``rotating`` holds 16-bit entries. At most ``context`` entries, except with precision tiers
+    (``l32``): their budget is entries at the low tier's bytes, and bytes beyond the context's keep
+    entries in the high tier (:func:`mlxevict.plan.plan_cache` does not cap them either).
     """
     limit = int(fraction * context * layer_kv_bytes_per_token(model, 2))
     if name == "rotating":
@@ -174,9 +176,11 @@ def entries_within(model: nn.Module, name: str, fraction: float, context: int, s
 
     if not _known(name):  # an error, not a budget that fits (fits() reads a ValueError as "too small to run")
         raise ValueError(f"unknown cache {name!r}; choose one of: {', '.join(cache_names())}")
-    if fits(context):
-        return context
-    lo, hi = 1, context  # fits(lo) is assumed (one entry), fits(hi) is false
+    lo, hi = 1, context  # fits(lo) is assumed (one entry); fits(hi) is false after the next lines
+    while fits(hi):
+        if not split_storage(name)[1].get("low_bits"):
+            return context
+        lo, hi = hi, 2 * hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)

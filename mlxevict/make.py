@@ -49,7 +49,8 @@ def make_cache(
         budget: most KV entries per layer (default 2048), or KV memory for all layers:
             ``"1.5GB"``, ``"800MB"``, or ``"auto"`` (a quarter of the free memory). Sized by
             :func:`~mlxevict.plan.plan_cache`, as the CLI sizes ``--budget``: at most the
-            model's context (a larger one is capped there, with a warning); without
+            model's context (a larger one is capped there, with a warning; not with ``low_bits``,
+            whose budget counts the bytes the tiers may hold); without
             ``kv_bits`` a memory budget picks the storage: the model's dtype or 8 bits when
             they hold the model's whole context, else keys in 5 bits, values in 3 and the
             newest tokens in 8, keys quantized per channel over 64 tokens when even that

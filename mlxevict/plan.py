@@ -28,7 +28,8 @@ class CachePlan:
     """What a cache will be: its budget in tokens per layer and its storage.
 
     Attributes:
-        tokens: the budget, entries per layer (at most ``context_limit``).
+        tokens: the budget, entries per layer (at most ``context_limit``, except with precision tiers:
+            entries at their low tier's bytes, which may pass the context).
         storage: how the entries are stored.
         context_limit: the model's context length (``None``: unknown).
         request: the budget as it was asked for.
@@ -125,7 +126,8 @@ def plan_cache(
 
     Returns:
         A :class:`CachePlan`; a budget beyond the model's context is capped there, with a note
-        (none for the default budget).
+        (none for the default budget), except with precision tiers (``storage.low_bits``), whose
+        budget counts the bytes they may hold.
 
     Raises:
         MlxEvictError: a budget that is not one, or memory that holds no token.
@@ -144,8 +146,10 @@ def plan_cache(
             "token); give more memory or a number of tokens"
         )
     notes: list[str] = []
-    if limit and tokens > limit:
-        # The cache can never hold more than the context; a larger budget would only reserve memory.
+    if limit and tokens > limit and not storage.low_bits:
+        # The cache can never hold more than the context; a larger budget would only reserve memory. Not so
+        # with precision tiers: their budget is entries at the low tier's bytes, and bytes beyond the context's
+        # keep entries in the high tier (docs/tiers.md), so a budget in memory is spent whole.
         if not request.default:
             notes.append(
                 f"--budget {request.text} is {tokens} tokens, more than the model's context of {limit}; using {limit}"

@@ -183,6 +183,9 @@ def test_memory_budgets_buy_quantized_storage_more_entries(model):
     assert entries["rotating"] == entries["default"] == 100  # 16-bit entries: a quarter of the tokens
     assert entries["default:k5v3w8"] > 3 * entries["default"]
     assert bcaches.entries_within(model, "default:q8", 1.0, 400, settings) == 400  # never more than the context
+    # except precision tiers: entries at the low tier's bytes, the rest of the bytes keep entries high
+    tiers = bcaches.entries_within(model, "default:k5v3w8c64l32", 0.4, 400, settings)
+    assert tiers > 400 and _bytes_at(model, "default:k5v3w8c64l32", tiers) <= 0.4 * 400 * bcaches.layer_kv_bytes_per_token(model, 2)
 
 
 def test_eval_with_memory_budgets(model, tmp_path):

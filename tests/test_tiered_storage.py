@@ -10,6 +10,7 @@ from tiny_models import random_tokens, run_chunks, tiny_model
 from mlxevict import make_cache
 from mlxevict.channel_codes import token_dequantize, unpack_planes
 from mlxevict.kvstorage import FLAGS, KVStorage
+from mlxevict.budget import storage_nbytes
 from mlxevict.plan import plan_cache
 from mlxevict.rotation import rotation_matrix
 from mlxevict.stats import cache_stats
@@ -76,6 +77,21 @@ def test_nothing_is_evicted_while_the_low_tier_holds_the_budget():
     s = caches[0].storage
     high_slot = _nbytes(s.keys[:2] + s.values, 4, per_slot=True) * s.keys[1].shape[1]  # every kv-head
     assert s.nbytes <= s.memory and s.memory - s.nbytes < 64 * high_slot  # no demotion beyond what fits
+
+
+def test_a_budget_in_memory_past_the_context_is_spent_whole():
+    """Not capped at the model's context: the bytes beyond the context's low-tier entries keep entries high."""
+    model = model64(max_position_embeddings=1024)
+    storage = KVStorage.of((5, 3), D, window_bits=8, key_group=64, low_bits=(3, 2))
+    nbytes = storage_nbytes(model, 1200, storage)  # 1,200 low-tier entries: more than the context
+    plan = plan_cache(model, f"{nbytes}B")
+    assert plan.storage == storage and plan.tokens == 1200 and plan.notes == ()
+    spent, capped = make_cache(model, "default", f"{nbytes}B"), make_cache(model, "default", 1024, **TIERS)
+    for caches in (spent, capped):
+        run_chunks(model, caches, random_tokens(1000), [100] * 10)
+    assert all(c.evictions == 0 and c.size() == 1000 for c in spent + capped)
+    assert cache_stats(capped).nbytes < cache_stats(spent).nbytes <= nbytes
+    assert sum(c.storage.n_high for c in capped) < sum(c.storage.n_high for c in spent)
 
 
 @pytest.mark.parametrize("policy", ["default", "window", "random"])
