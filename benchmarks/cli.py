@@ -101,7 +101,7 @@ def add_eval_parser(subparsers: Any) -> None:
     )
     _common(p)
     add_long_arguments(p)
-    p.add_argument("--budgets", type=_fractions, default=None, help="fractions of the context (default 0.5,0.25,0.125)")
+    p.add_argument("--budgets", type=_fractions, default=None, help="fractions of the context (default 0.5,0.25,0.125; the long suite: 0.25,0.125, --long adds 0.5)")
     p.add_argument("--context", type=int, default=None, help="tokens per retrieval/fidelity sequence (default 512)")
     p.add_argument(
         "--memory",

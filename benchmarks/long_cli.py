@@ -33,21 +33,22 @@ def _ints(text: str) -> tuple[int, ...]:
 def add_long_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", choices=("long", "short"), default="long",
                    help="long (default): natural prose of 1k-2k tokens, tuning and test halves; short: the 512-token tasks")
-    p.add_argument("--long", action="store_true", help="long suite: also 4k and 8k contexts (takes hours on a CPU)")
+    p.add_argument("--long", action="store_true", help="long suite: the whole matrix (4k and 8k contexts, 50%% budgets, every policy and "
+                   "quantized baseline, the simulated storages; hours on a CPU)")
     p.add_argument("--lengths", type=_ints, default=None, help="long suite: retrieval contexts (default 1024,2048)")
     p.add_argument("--fidelity-texts", type=int, default=None, help="long suite: 2k-token texts per half (default 2)")
     p.add_argument("--kinds", type=_names, default=None,
                    help="long suite: retrieval kinds (default passkey,passkeys,keyvalue,reasoning)")
     p.add_argument("--instances", type=int, default=None, help="long suite: rows of each task kind per length (default 1)")
     p.add_argument("--compress-policies", type=_names, default=None,
-                   help="long suite: policies also run compressed after prefill (default default,snapkv)")
+                   help="long suite: policies also run compressed after prefill, at 25%% of the tokens (default default,snapkv)")
     p.add_argument("--memory-budgets", type=_floats, default=None,
                    help="long suite: shares of a 16-bit full cache's bytes (default 0.25,0.125)")
     p.add_argument("--variants", type=_names, default=None,
-                   help="long suite: simulated storages tried on the tuning half (default kivi-k5v3,tiers-k3v2; also "
-                   "sim-k5v3w8, kivi-k2v2, sim-k3v2w8)")
+                   help="long suite: storages tried on the tuning half beside the product's (default default:k5v3w8c64, one "
+                   "tier; any storage suffix, or the simulated kivi-k5v3, tiers-k3v2, sim-k5v3w8, kivi-k2v2, sim-k3v2w8)")
     p.add_argument("--baselines", type=_names, default=None,
-                   help="long suite: mlx-lm's unbudgeted caches (default quantized8,quantized4,quantized3)")
+                   help="long suite: mlx-lm's unbudgeted caches (default quantized4; --long: quantized8,quantized4,quantized3)")
     p.add_argument("--splits", type=_names, default=None, help="long suite: tuning,test (default both, in that order)")
     p.add_argument("--parts", type=_names, default=None,
                    help="long suite: groups of test runs (default baselines,policies,compress,memory,chosen; "
@@ -59,19 +60,23 @@ def add_long_arguments(p: argparse.ArgumentParser) -> None:
 
 def long_config(args: argparse.Namespace) -> Any:
     from .caches import CacheSettings
-    from .long_runs import LongConfig
+    from .long_runs import LONG, LongConfig
 
     for name in SHORT_ONLY:
         if getattr(args, name, None):
             raise ValueError(f"--{name.replace('_', '-')} belongs to the 512-token suite: add --suite short")
     quick = dict(lengths=(512,), kinds=("passkeys", "reasoning"), fidelity_texts=1, fidelity_length=512, fidelity_scored=64,
                  policies=("default", "window"),
-                 compress_policies=("default",), token_fractions=(0.25,), memory_fractions=(0.25,),
+                 compress_policies=("default",), token_fractions=(0.25,), compress_fractions=(0.25,), memory_fractions=(0.25,),
                  variants=(), baselines=("quantized4",)) if args.quick else {}  # fmt: skip
+    if args.long and args.quick:
+        raise ValueError("--long and --quick: choose one")
+    if args.long:
+        quick = LONG
     given = dict(
-        lengths=args.lengths or ((1024, 2048, 4096, 8192) if args.long else None),
+        lengths=args.lengths,
         fidelity_texts=args.fidelity_texts, instances=args.instances, kinds=args.kinds, compress_policies=args.compress_policies,
-        token_fractions=args.budgets, memory_fractions=args.memory_budgets, variants=args.variants,
+        token_fractions=args.budgets, compress_fractions=args.budgets, memory_fractions=args.memory_budgets, variants=args.variants,
         baselines=args.baselines, splits=args.splits, parts=args.parts, reference_dir=args.reference_dir,
         policies=None if args.policies in (None, "all") else _names(args.policies),
     )  # fmt: skip

@@ -11,15 +11,25 @@ from .long_tasks import KINDS
 
 PROTOCOLS = ("stream", "compress")
 CHUNK = 64
-TOKEN_FRACTIONS = (0.5, 0.25, 0.125)
 MEMORY_FRACTIONS = (0.25, 0.125)
 SEEDS = {"tuning": 0, "test": 1}
 CHOSEN = "chosen"  # the test half's name for the storage the tuning half picked
-TEST_POLICIES = ("default", "window", "snapkv", "entropy", "uncertainty")  # --policies adds tova, h2o, ...
-COMPRESS_POLICIES = ("default", "snapkv")
-TUNING_VARIANTS = ("kivi-k5v3", "tiers-k3v2")  # measured in docs/results/long; --variants tries the others
-PRODUCT_STORAGE = "default:k5v3w8c64l32"  # the memory-budget rule's storage today (the real kivi-tiers)
+PRODUCT_STORAGE = "default:k5v3w8c64l32"  # the memory-budget rule's storage today (precision tiers)
+ONE_TIER = "default:k5v3w8c64"  # the rule before the tiers: one 5/3 tier, keys per channel, then eviction
 PARTS = ("baselines", "policies", "compress", "memory", "chosen")  # "variants": also every simulated storage
+# The default run (toward ~30 min on an idle 2-core CPU with SmolLM2-135M): what the targets compare at 25% and
+# 12.5% of the bytes. `--long` (LONG) runs the whole matrix of the issue at 1k-8k tokens.
+TOKEN_FRACTIONS = (0.25, 0.125)
+TEST_POLICIES = ("default", "window", "snapkv")
+COMPRESS_POLICIES = ("default", "snapkv")
+COMPRESS_FRACTIONS = (0.25,)
+TUNING_VARIANTS = (ONE_TIER,)  # the tuning half's candidates beside the product and the 16-bit default
+BASELINES = ("quantized4",)
+LONG = dict(
+    lengths=(1024, 2048, 4096, 8192), token_fractions=(0.5, 0.25, 0.125), compress_fractions=(0.5, 0.25, 0.125),
+    policies=("default", "window", "snapkv", "entropy", "uncertainty", "tova", "h2o"),
+    baselines=("quantized8", "quantized4", "quantized3"), variants=(ONE_TIER, "kivi-k5v3", "tiers-k3v2"),
+)
 
 
 @dataclass(frozen=True)
@@ -39,8 +49,7 @@ class Run:
 
 @dataclass(frozen=True)
 class LongConfig:
-    """What the long suite runs. Sized toward ~30 minutes on an idle 2-core CPU with SmolLM2-135M;
-    not yet timed there (docs/results/long/README.md ran a cut-down version on a loaded machine)."""
+    """What the long suite runs; the defaults are the default run (see ``LONG`` for ``--long``)."""
 
     lengths: tuple[int, ...] = (1024, 2048)
     kinds: tuple[str, ...] = KINDS
@@ -51,9 +60,10 @@ class LongConfig:
     policies: tuple[str, ...] = TEST_POLICIES
     compress_policies: tuple[str, ...] = COMPRESS_POLICIES
     token_fractions: tuple[float, ...] = TOKEN_FRACTIONS
+    compress_fractions: tuple[float, ...] = COMPRESS_FRACTIONS
     memory_fractions: tuple[float, ...] = MEMORY_FRACTIONS
     variants: tuple[str, ...] = TUNING_VARIANTS
-    baselines: tuple[str, ...] = ("quantized8", "quantized4", "quantized3")
+    baselines: tuple[str, ...] = BASELINES
     splits: tuple[str, ...] = ("tuning", "test")
     parts: tuple[str, ...] = PARTS  # which groups of the test half's runs
     reference_dir: str | None = None  # keep the full cache's outcomes here, for runs split across processes
@@ -70,7 +80,7 @@ class LongConfig:
         groups = {
             "baselines": [Run(b) for b in self.baselines] + [Run("rotating", "tokens", f) for f in self.token_fractions],
             "policies": [Run(p, "tokens", f) for p in self.policies for f in self.token_fractions],
-            "compress": [Run(p, "tokens", f, "compress") for p in self.compress_policies for f in self.token_fractions],
+            "compress": [Run(p, "tokens", f, "compress") for p in self.compress_policies for f in self.compress_fractions],
             "memory": mem,
             "variants": [Run(v, "memory", f) for f in self.memory_fractions for v in self.variants],
             "chosen": [Run(CHOSEN, "memory", f) for f in self.memory_fractions],

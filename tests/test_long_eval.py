@@ -187,7 +187,13 @@ def test_eval_parser_defaults_to_the_long_suite_and_rejects_short_options():
     assert args.suite == "long" and not args.long
     config = long_cli.long_config(args)
     assert config.lengths == (1024, 2048) and config.splits == ("tuning", "test")
-    assert long_cli.long_config(parser.parse_args(["eval", "demo", "--long"])).lengths[-1] == 8192
+    assert config.token_fractions == config.memory_fractions == (0.25, 0.125)  # what the targets compare
+    full = long_cli.long_config(parser.parse_args(["eval", "demo", "--long"]))
+    assert full.lengths[-1] == 8192 and 0.5 in full.token_fractions and len(full.baselines) == 3
+    assert long_runs.total_runs(full) > 2 * long_runs.total_runs(config)
+    assert long_cli.long_config(parser.parse_args(["eval", "demo", "--long", "--lengths", "4096"])).lengths == (4096,)
+    with pytest.raises(ValueError, match="--long and --quick: choose one"):
+        long_cli.long_config(parser.parse_args(["eval", "demo", "--long", "--quick"]))
     with pytest.raises(ValueError, match="--memory belongs to the 512-token suite: add --suite short"):
         long_cli.long_config(parser.parse_args(["eval", "demo", "--memory"]))
 
