@@ -539,8 +539,15 @@ def test_info_plans_a_memory_budget_as_generate_runs_it(capsys, tiny32):
     assert 0 < cache["cache"]["nbytes"] <= plan["budget_kv_nbytes"]
     assert plan["budget_kv_bits"] == [5, 3] and plan["auto_kv_bits"] is None  # auto holds the context in float32
     text = cli(capsys, "info", tiny32, "--budget", "100KB")[1]
-    assert f"--budget {plan['budget']} tokens holds 97.6 KiB of KV (5/3-bit)" in text
+    assert f"--budget {plan['budget']} tokens holds 97.6 KiB of KV (5/3-bit KIVI-64, 3/2-bit below);" in text
     assert json.loads(cli(capsys, "info", tiny32, "--json", "--budget", "64")[1])["budget_kv_bits"] is None
+    # precision tiers count a budget past the 2,048-token context at the low tier's bytes: not capped, and the
+    # bytes a full context's low-tier entries leave keep entries in the high tier
+    plan = json.loads(cli(capsys, "info", tiny32, "--json", "--budget", "340KB")[1])
+    cache = json.loads(cli(capsys, *run[:5], "340KB", *run[6:])[1])["cache"]
+    assert plan["budget"] == cache["budget"] > plan["context_limit"] == 2048 and "3/2-bit below" in plan["budget_storage"]
+    assert plan["saved_nbytes"] == 2048 * 1024 - plan["budget_kv_nbytes"] and cache["nbytes"] <= 340_000
+    assert "the context's 2,048 fit, and the rest keeps entries high" in cli(capsys, "info", tiny32, "--budget", "340KB")[1]
 
 
 def test_kv_bits_none_takes_no_storage_options(capsys, tiny):

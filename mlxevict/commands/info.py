@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Optional
 
 import psutil
 
-from ..budget import AUTO_FRACTION, parse_budget, parse_size
+from ..budget import AUTO_FRACTION, parse_budget, parse_size, storage_nbytes
 from ..cache import DEFAULT_BUDGET
 from ..distributed import plan_hosts
 from ..errors import MlxEvictError
@@ -132,6 +132,10 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     compare_at = min(context or PLAN_TOKENS[1], PLAN_TOKENS[1])
     full = per_token * compare_at
     held = plan_cache(resolved.path, min(budget.tokens, compare_at), budget.storage).nbytes(resolved.path)
+    if budget.storage.low_bits and budget.tokens > compare_at:
+        # Precision tiers spend the bytes beyond the low tier's entries on keeping entries high, up to all of them.
+        high = replace(budget.storage, low_bits=None)
+        held = min(budget.nbytes(resolved.path), storage_nbytes(resolved.path, compare_at, high))
     result = {
         "model": resolved.name,
         "downloaded": weights_note == "on disk",
@@ -156,6 +160,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "budget": budget.tokens,
         "budget_kv_bits": budget.storage.kv_bits,
         "budget_kv_nbytes": budget.nbytes(resolved.path),
+        "budget_storage": budget.storage.label,
         "compare_at_tokens": compare_at,
         "saved_nbytes": full - held,
         "saved_fraction": (full - held) / full if full else 0.0,
@@ -177,8 +182,11 @@ def render(p: dict[str, Any]) -> str:
     weights = format_bytes(p["weights_nbytes"]) if p["weights_nbytes"] else "?"
     context = p["context_limit"]
     auto_bits = f", {_label(p['auto_kv_bits'])}" if p["auto_kv_bits"] else ""
-    budget_bits = f" ({_label(p['budget_kv_bits'])})" if p["budget_kv_bits"] else ""
+    budget_bits = f" ({p['budget_storage']})" if p["budget_kv_bits"] else ""
     compare = p["compare_at_tokens"]
+    beyond = ""  # only precision tiers count a budget beyond the context: entries at their low tier's bytes
+    if context and p["budget"] > context:
+        beyond = f" (tokens at the low tier's bytes: the context's {context:,} fit, and the rest keeps entries high)"
     full = "   ".join(
         f"{_k(int(n))}: {format_bytes(b)}" + (" (beyond the context limit)" if context and int(n) > context else "")
         for n, b in p["full_kv_nbytes"].items()
@@ -194,7 +202,7 @@ def render(p: dict[str, Any]) -> str:
         f"budget        auto = {p['auto_budget']:,} tokens ({format_bytes(p['auto_budget_nbytes'])} KV{auto_bits}) "
         "fits this machine next to the weights",
         f"eviction      --budget {p['budget']:,} tokens holds {format_bytes(p['budget_kv_nbytes'])} of KV"
-        f"{budget_bits}; "
+        f"{budget_bits}{beyond}; "
         f"a full cache at {_k(compare)} tokens holds {format_bytes(p['kv_bytes_per_token'] * compare)}: "
         f"saves {format_bytes(p['saved_nbytes'])} ({100 * p['saved_fraction']:.0f}%)",
     ]
