@@ -99,7 +99,12 @@ def write_long(results: dict[str, Any], out: Path) -> list[Path]:
     paths = [write_json(results, out / "long.json")]
     md = out / "long.md"
     md.write_text(long_markdown(results))
-    paths.append(md)
+    return [*paths, md, *plot_long(results, out)]
+
+
+def plot_long(results: dict[str, Any], out: Path) -> list[Path]:
+    """``long_<half>.png`` in ``out``, one per half."""
+    paths = []
     for name, split in results["splits"].items():
         title = f"mlxevict eval (long, {name} half): quality per KV byte ({results.get('model', '')})"
         paths.append(plot_bytes(_plot_rows(split), out / f"long_{name}.png", title))

@@ -2,7 +2,7 @@
 
     python -m mlxevict.benchmarks.replot docs/results
 
-Every ``eval.json`` (-> ``eval.png``, ``eval_bytes.png``), ``bench.json`` (-> ``memory.png``, when it
+Every ``eval.json`` (-> ``eval.png``, ``eval_bytes.png``), ``long.json`` (-> ``long_<half>.png``), ``bench.json`` (-> ``memory.png``, when it
 has a context sweep) and ``kv_bits.json`` (-> ``kv_bits.png``) under the folders given.
 """
 
@@ -28,6 +28,10 @@ def replot(json_path: Path) -> list[Path]:
             plot_eval(results, folder / "eval.png"),
             plot_bytes(results["rows"], folder / "eval_bytes.png", title, default_policy),
         ]
+    if json_path.name == "long.json":
+        from .long_report import plot_long
+
+        return plot_long(results, folder)
     if json_path.name == "bench.json":
         return [plot_memory(results, folder / "memory.png")] if results.get("context") else []
     if json_path.name == "kv_bits.json" and results.get("quality"):

@@ -34,9 +34,12 @@ MLX_LM_STYLES = {
     "quantized4": ("#888888", "^"),
     "quantized3": ("#aaaaaa", "v"),
 }
-STORAGE_LINES = {"": "-", "q8": (0, (5, 2)), "q4": (0, (1, 1.5)), "q4w8": (0, (4, 1.5, 1, 1.5)), "k5v3w8": (0, (8, 2))}
+STORAGE_LINES = {
+    "": "-", "q8": (0, (5, 2)), "q4": (0, (1, 1.5)), "q4w8": (0, (4, 1.5, 1, 1.5)), "k5v3w8": (0, (8, 2)),
+    "k5v3w8c64": (0, (3, 1, 1, 1, 1, 1)), "k5v3w8c64l32": (0, (10, 1.5, 2, 1.5)),  # keys per channel; + tiers
+}  # fmt: skip
 # storage -> shade of the policy's colour: > 0 towards white, < 0 towards black
-STORAGE_SHADES = {"": 0.0, "q8": 0.35, "q4": 0.6, "q4w8": -0.35, "k5v3w8": -0.6}
+STORAGE_SHADES = {"": 0.0, "q8": 0.35, "q4": 0.6, "q4w8": -0.35, "k5v3w8": -0.6, "k5v3w8c64": 0.45, "k5v3w8c64l32": -0.8}
 OTHER_STYLE = ("#9edae5", ".")
 # storage variants of the default policy (``benchmarks.storage_variants``): its colour, their own marker
 VARIANT_STYLES = {
@@ -49,7 +52,8 @@ COMPRESS = " [compress]"  # a cache compressed once after prefill: its policy's 
 GROUPS = (
     ("mlxevict's policies", ("anchored", "entropy", "uncertainty", "window", "full")),
     ("published policies", ("h2o", "tova", "snapkv", "rkv", "knorm", "random")),
-    ("the default policy in fewer bits", ("anchored:q8", "anchored:q4", "anchored:q4w8", "anchored:k5v3w8")),
+    ("the default policy in fewer bits",
+     ("anchored:q8", "anchored:q4", "anchored:q4w8", "anchored:k5v3w8", "anchored:k5v3w8c64", "anchored:k5v3w8c64l32")),
     ("storage variants of the default policy", tuple(VARIANT_STYLES)),
     ("compressed once after prefill", tuple(f"{p}{COMPRESS}" for p in POLICY_STYLES)),
     ("mlx-lm's caches", tuple(MLX_LM_STYLES)),

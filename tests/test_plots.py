@@ -20,6 +20,8 @@ EVERY_NAME = list(dict.fromkeys([
     *bcaches.cache_names(),
     *(f"{DEFAULT_POLICY}{suffix}" for suffix in bcaches.STORAGE_SUFFIXES),
     f"{DEFAULT_POLICY}:k5v3w8",
+    f"{DEFAULT_POLICY}:k5v3w8c64",
+    f"{DEFAULT_POLICY}:k5v3w8c64l32",  # the memory rule's storages: one tier, and the tiers
     *VARIANTS,  # the long suite's storage variants and its caches compressed once after prefill
     *(f"{p}{style.COMPRESS}" for p in policy_names() if p not in ("full", "default")),
 ]))
@@ -96,8 +98,11 @@ def test_replot_draws_the_saved_results_again(tmp_path):
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "eval.json").write_text(json.dumps(results))
     shutil.copy(RESULTS / "bench_default" / "bench.json", tmp_path / "bench.json")
+    (tmp_path / "long").mkdir()
+    shutil.copy(RESULTS / "long" / "long.json", tmp_path / "long" / "long.json")
     assert replot.main([str(tmp_path)]) == 0
-    assert {p.name for p in tmp_path.rglob("*.png")} == {"eval.png", "eval_bytes.png", "memory.png"}
+    assert {p.name for p in tmp_path.rglob("*.png")} == {"eval.png", "eval_bytes.png", "memory.png", "long_tuning.png",
+                                                         "long_test.png"}  # fmt: skip
 
 
 def test_quick_runs_a_handful_of_caches():
