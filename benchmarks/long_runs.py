@@ -17,8 +17,8 @@ CHOSEN = "chosen"  # the test half's name for the storage the tuning half picked
 PRODUCT_STORAGE = "default:k5v3w8c64l32"  # the memory-budget rule's storage today (precision tiers)
 ONE_TIER = "default:k5v3w8c64"  # the rule before the tiers: one 5/3 tier, keys per channel, then eviction
 PARTS = ("baselines", "policies", "compress", "memory", "chosen")  # "variants": also every simulated storage
-# The default run (toward ~30 min on an idle 2-core CPU with SmolLM2-135M): what the targets compare at 25% and
-# 12.5% of the bytes. `--long` (LONG) runs the whole matrix of the issue at 1k-8k tokens.
+# The default run: what the targets compare at 25% and 12.5% of the bytes (44 min on an idle 2-core CPU with
+# SmolLM2-135M, where ~30 were asked: docs/results/long/README.md). `--long` (LONG): the whole matrix, 1k-8k tokens.
 TOKEN_FRACTIONS = (0.25, 0.125)
 TEST_POLICIES = ("default", "window", "snapkv")
 COMPRESS_POLICIES = ("default", "snapkv")
