@@ -35,13 +35,16 @@ def add_long_arguments(p: argparse.ArgumentParser) -> None:
                    help="long (default): natural prose of 1k-2k tokens, tuning and test halves; short: the 512-token tasks")
     p.add_argument("--long", action="store_true", help="long suite: the whole matrix (4k and 8k contexts, 50%% budgets, every policy and "
                    "quantized baseline, the simulated storages; hours on a CPU)")
-    p.add_argument("--lengths", type=_ints, default=None, help="long suite: retrieval contexts (default 1024,2048)")
+    p.add_argument("--lengths", type=_ints, default=None,
+                   help="long suite: retrieval contexts (default 1024,2048; the tuning half's too when given alone)")
+    p.add_argument("--tuning-lengths", type=_ints, default=None,
+                   help="long suite: the tuning half's retrieval contexts (default 1024; --long: 1024,2048)")
     p.add_argument("--fidelity-texts", type=int, default=None, help="long suite: 2k-token texts per half (default 2)")
     p.add_argument("--kinds", type=_names, default=None,
                    help="long suite: retrieval kinds (default passkey,passkeys,keyvalue,reasoning)")
     p.add_argument("--instances", type=int, default=None, help="long suite: rows of each task kind per length (default 1)")
     p.add_argument("--compress-policies", type=_names, default=None,
-                   help="long suite: policies also run compressed after prefill, at 25%% of the tokens (default default,snapkv)")
+                   help="long suite: policies also run compressed after prefill, at 25%% of the tokens (default snapkv)")
     p.add_argument("--memory-budgets", type=_floats, default=None,
                    help="long suite: shares of a 16-bit full cache's bytes (default 0.25,0.125)")
     p.add_argument("--variants", type=_names, default=None,
@@ -65,7 +68,7 @@ def long_config(args: argparse.Namespace) -> Any:
     for name in SHORT_ONLY:
         if getattr(args, name, None):
             raise ValueError(f"--{name.replace('_', '-')} belongs to the 512-token suite: add --suite short")
-    quick = dict(lengths=(512,), kinds=("passkeys", "reasoning"), fidelity_texts=1, fidelity_length=512, fidelity_scored=64,
+    quick = dict(lengths=(512,), tuning_lengths=None, kinds=("passkeys", "reasoning"), fidelity_texts=1, fidelity_length=512, fidelity_scored=64,
                  policies=("default", "window"),
                  compress_policies=("default",), token_fractions=(0.25,), compress_fractions=(0.25,), memory_fractions=(0.25,),
                  variants=(), baselines=("quantized4",)) if args.quick else {}  # fmt: skip
@@ -74,12 +77,14 @@ def long_config(args: argparse.Namespace) -> Any:
     if args.long:
         quick = LONG
     given = dict(
-        lengths=args.lengths,
+        lengths=args.lengths, tuning_lengths=args.tuning_lengths,
         fidelity_texts=args.fidelity_texts, instances=args.instances, kinds=args.kinds, compress_policies=args.compress_policies,
         token_fractions=args.budgets, compress_fractions=args.budgets, memory_fractions=args.memory_budgets, variants=args.variants,
         baselines=args.baselines, splits=args.splits, parts=args.parts, reference_dir=args.reference_dir,
         policies=None if args.policies in (None, "all") else _names(args.policies),
     )  # fmt: skip
+    if args.lengths and not args.tuning_lengths:
+        given["tuning_lengths"] = ()  # both halves at --lengths (as before --tuning-lengths)
     settings = CacheSettings(sinks=args.sinks, window=args.window, slack=args.slack)
     return LongConfig(settings=settings, **{**quick, **{k: v for k, v in given.items() if v is not None}})
 

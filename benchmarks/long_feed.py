@@ -28,7 +28,7 @@ class Batch:
 def build_batches(tokenizer: Any, config: LongConfig, split: str) -> list[Batch]:
     seed = SEEDS[split]
     batches = []
-    for L in config.lengths:
+    for L in config.lengths_of(split):
         rows = make_long_rows(tokenizer, L, split, seed, config.kinds, config.instances)
         batches.append(Batch(f"retrieval {L}", mx.array([r.tokens for r in rows]), min(r.question_start for r in rows), rows))
     if config.fidelity_texts:

@@ -60,12 +60,18 @@ def _minutes(results: dict[str, Any]) -> str:
     return f"{sum(r['seconds'] for r in rows) / 60:.0f} min of runs in all, " if rows else ""
 
 
+def _lengths(cfg: dict[str, Any]) -> str:
+    """The contexts of the halves: ``1024, 2048`` or ``1024 (tuning half), 1024, 2048 (test half)``."""
+    test, tuning = ", ".join(map(str, cfg["lengths"])), ", ".join(map(str, cfg.get("tuning_lengths") or ()))
+    return test if tuning in ("", test) else f"{tuning} (tuning half), {test} (test half)"
+
+
 def long_markdown(results: dict[str, Any]) -> str:
     cfg = results["config"]
     out = [
         f"# Long-context evaluation ({results.get('model', '')})\n",
         f"Command: `{results.get('command', '')}` ({_minutes(results)}{results.get('machine', '')}).\n",
-        f"Retrieval rows of {', '.join(map(str, cfg['lengths']))} tokens (kinds: {', '.join(cfg['kinds'])}; "
+        f"Retrieval rows of {_lengths(cfg)} tokens (kinds: {', '.join(cfg['kinds'])}; "
         f"{cfg['instances']} row of each per length), facts inside the streamed prose; an answer counts when every "
         "answer token is the greedy choice under teacher forcing, over the answers the full cache gets. "
         f"Fidelity: the last {cfg['fidelity_scored']} tokens of {cfg['fidelity_texts']} natural texts of "

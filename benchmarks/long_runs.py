@@ -17,17 +17,19 @@ CHOSEN = "chosen"  # the test half's name for the storage the tuning half picked
 PRODUCT_STORAGE = "default:k5v3w8c64l32"  # the memory-budget rule's storage today (precision tiers)
 ONE_TIER = "default:k5v3w8c64"  # the rule before the tiers: one 5/3 tier, keys per channel, then eviction
 PARTS = ("baselines", "policies", "compress", "memory", "chosen")  # "variants": also every simulated storage
-# The default run: what the targets compare at 25% and 12.5% of the bytes (44 min on an idle 2-core CPU with
-# SmolLM2-135M, where ~30 were asked: docs/results/long/README.md). `--long` (LONG): the whole matrix, 1k-8k tokens.
+# The default run: what the targets compare at 25% and 12.5% of the bytes, sized toward the ~30 min asked on an idle
+# 2-core CPU with SmolLM2-135M (docs/results/long/README.md: 44 min before the tuning half ran 1k tokens only and
+# `window` and the default's compression moved to --long). `--long` (LONG): the whole matrix, 1k-8k tokens.
 TOKEN_FRACTIONS = (0.25, 0.125)
-TEST_POLICIES = ("default", "window", "snapkv")
-COMPRESS_POLICIES = ("default", "snapkv")
+TUNING_LENGTHS = (1024,)  # shorter than the test half's contexts: the settings are tested past what they were tuned on
+TEST_POLICIES = ("default", "snapkv")
+COMPRESS_POLICIES = ("snapkv",)
 COMPRESS_FRACTIONS = (0.25,)
 TUNING_VARIANTS = (ONE_TIER,)  # the tuning half's candidates beside the product and the 16-bit default
 BASELINES = ("quantized4",)
 LONG = dict(
-    lengths=(1024, 2048, 4096, 8192), token_fractions=(0.5, 0.25, 0.125), compress_fractions=(0.5, 0.25, 0.125),
-    policies=("default", "window", "snapkv", "entropy", "uncertainty", "tova", "h2o"),
+    lengths=(1024, 2048, 4096, 8192), tuning_lengths=(1024, 2048), token_fractions=(0.5, 0.25, 0.125), compress_fractions=(0.5, 0.25, 0.125),
+    policies=("default", "window", "snapkv", "entropy", "uncertainty", "tova", "h2o"), compress_policies=("default", "snapkv"),
     baselines=("quantized8", "quantized4", "quantized3"), variants=(ONE_TIER, "kivi-k5v3", "tiers-k3v2"),
 )
 
@@ -52,6 +54,7 @@ class LongConfig:
     """What the long suite runs; the defaults are the default run (see ``LONG`` for ``--long``)."""
 
     lengths: tuple[int, ...] = (1024, 2048)
+    tuning_lengths: tuple[int, ...] | None = TUNING_LENGTHS  # the tuning half's contexts; empty or None: ``lengths``
     kinds: tuple[str, ...] = KINDS
     instances: int = 1
     fidelity_texts: int = 2
@@ -69,6 +72,10 @@ class LongConfig:
     reference_dir: str | None = None  # keep the full cache's outcomes here, for runs split across processes
     chunk: int = CHUNK
     settings: CacheSettings = field(default_factory=CacheSettings)
+
+    def lengths_of(self, split: str) -> tuple[int, ...]:
+        """The retrieval contexts of a half."""
+        return self.tuning_lengths if split == "tuning" and self.tuning_lengths else self.lengths
 
     def runs(self, split: str) -> list[Run]:
         """The tuning half: the default policy and every storage candidate per memory budget.

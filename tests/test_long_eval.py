@@ -142,7 +142,8 @@ def test_simulated_storage_holds_its_bytes_and_tiers_evict_only_when_the_low_tie
 # ---- end to end ----------------------------------------------------------------------------
 def test_long_suite_end_to_end_structure(model, tmp_path):
     config = long_runs.LongConfig(
-        lengths=(LENGTH,), kinds=("passkeys",), fidelity_texts=1, fidelity_length=LENGTH, fidelity_scored=32,
+        lengths=(LENGTH,), tuning_lengths=(LENGTH - 100,), kinds=("passkeys",), fidelity_texts=1, fidelity_length=LENGTH,
+        fidelity_scored=32,
         policies=("default",), compress_policies=("default",), token_fractions=(0.25,), memory_fractions=(0.25,),
         variants=("tiers-k3v2",), baselines=("quantized4",),
     )  # fmt: skip
@@ -152,6 +153,8 @@ def test_long_suite_end_to_end_structure(model, tmp_path):
     assert len(labels) == sum(len(s["rows"]) for s in results["splits"].values()) <= long_runs.total_runs(config)
     assert results["chosen"]["0.25"] in ("default", long_runs.PRODUCT_STORAGE, "tiers-k3v2")
     test = results["splits"]["test"]
+    tuned = {L for r in results["splits"]["tuning"]["rows"] for L in r["retrieval_by_length"]}
+    assert tuned == {str(LENGTH - 100)} and {L for r in test["rows"] for L in r["retrieval_by_length"]} == {str(LENGTH)}
     keys = {(r["cache"], r["protocol"], r["budget_of"]) for r in test["rows"]}
     assert {("kvcache", "stream", None), ("quantized4", "stream", None), ("rotating", "stream", "tokens"),
             ("default", "compress", "tokens"), (long_runs.PRODUCT_STORAGE, "stream", "memory")} <= keys  # fmt: skip
@@ -164,6 +167,7 @@ def test_long_suite_end_to_end_structure(model, tmp_path):
     paths = long_report.write_long(results, tmp_path)
     assert {p.name for p in paths} == {"long.json", "long.md", "long_tuning.png", "long_test.png"}
     md = (tmp_path / "long.md").read_text()
+    assert f"Retrieval rows of {LENGTH - 100} (tuning half), {LENGTH} (test half) tokens" in md
     assert "## test half (seed 1)" in md and "Ranking" in md and "(picked on tuning)" in md
     merged = long_report.merge([results, json.loads((tmp_path / "long.json").read_text())])
     assert len(merged["splits"]["test"]["rows"]) == len(test["rows"])
@@ -187,9 +191,15 @@ def test_eval_parser_defaults_to_the_long_suite_and_rejects_short_options():
     assert args.suite == "long" and not args.long
     config = long_cli.long_config(args)
     assert config.lengths == (1024, 2048) and config.splits == ("tuning", "test")
+    assert config.lengths_of("tuning") == (1024,) and config.lengths_of("test") == (1024, 2048)  # tested past its tuning
+    given = long_cli.long_config(parser.parse_args(["eval", "demo", "--lengths", "1024,2048"]))
+    assert given.lengths_of("tuning") == (1024, 2048)  # --lengths alone: both halves, as before --tuning-lengths
+    both = ["eval", "demo", "--lengths", "4096", "--tuning-lengths", "2048"]
+    assert long_cli.long_config(parser.parse_args(both)).lengths_of("tuning") == (2048,)
     assert config.token_fractions == config.memory_fractions == (0.25, 0.125)  # what the targets compare
     full = long_cli.long_config(parser.parse_args(["eval", "demo", "--long"]))
     assert full.lengths[-1] == 8192 and 0.5 in full.token_fractions and len(full.baselines) == 3
+    assert full.lengths_of("tuning") == (1024, 2048) and "window" in full.policies and "default" in full.compress_policies
     assert long_runs.total_runs(full) > 2 * long_runs.total_runs(config)
     assert long_cli.long_config(parser.parse_args(["eval", "demo", "--long", "--lengths", "4096"])).lengths == (4096,)
     with pytest.raises(ValueError, match="--long and --quick: choose one"):
