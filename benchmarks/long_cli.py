@@ -68,7 +68,7 @@ def long_config(args: argparse.Namespace) -> Any:
     for name in SHORT_ONLY:
         if getattr(args, name, None):
             raise ValueError(f"--{name.replace('_', '-')} belongs to the 512-token suite: add --suite short")
-    quick = dict(lengths=(512,), tuning_lengths=None, kinds=("passkeys", "reasoning"), fidelity_texts=1, fidelity_length=512, fidelity_scored=64,
+    quick = dict(lengths=(512,), tuning_lengths=(512,), kinds=("passkeys", "reasoning"), fidelity_texts=1, fidelity_length=512, fidelity_scored=64,
                  policies=("default", "window"),
                  compress_policies=("default",), token_fractions=(0.25,), compress_fractions=(0.25,), memory_fractions=(0.25,),
                  variants=(), baselines=("quantized4",)) if args.quick else {}  # fmt: skip
@@ -77,14 +77,12 @@ def long_config(args: argparse.Namespace) -> Any:
     if args.long:
         quick = LONG
     given = dict(
-        lengths=args.lengths, tuning_lengths=args.tuning_lengths,
+        lengths=args.lengths, tuning_lengths=args.tuning_lengths or args.lengths,  # --lengths alone: both halves
         fidelity_texts=args.fidelity_texts, instances=args.instances, kinds=args.kinds, compress_policies=args.compress_policies,
         token_fractions=args.budgets, compress_fractions=args.budgets, memory_fractions=args.memory_budgets, variants=args.variants,
         baselines=args.baselines, splits=args.splits, parts=args.parts, reference_dir=args.reference_dir,
         policies=None if args.policies in (None, "all") else _names(args.policies),
     )  # fmt: skip
-    if args.lengths and not args.tuning_lengths:
-        given["tuning_lengths"] = ()  # both halves at --lengths (as before --tuning-lengths)
     settings = CacheSettings(sinks=args.sinks, window=args.window, slack=args.slack)
     return LongConfig(settings=settings, **{**quick, **{k: v for k, v in given.items() if v is not None}})
 

@@ -54,7 +54,7 @@ class LongConfig:
     """What the long suite runs; the defaults are the default run (see ``LONG`` for ``--long``)."""
 
     lengths: tuple[int, ...] = (1024, 2048)
-    tuning_lengths: tuple[int, ...] | None = TUNING_LENGTHS  # the tuning half's contexts; empty or None: ``lengths``
+    tuning_lengths: tuple[int, ...] | None = TUNING_LENGTHS  # the tuning half's contexts; None: ``lengths``
     kinds: tuple[str, ...] = KINDS
     instances: int = 1
     fidelity_texts: int = 2
@@ -75,7 +75,7 @@ class LongConfig:
 
     def lengths_of(self, split: str) -> tuple[int, ...]:
         """The retrieval contexts of a half."""
-        return self.tuning_lengths if split == "tuning" and self.tuning_lengths else self.lengths
+        return self.tuning_lengths if split == "tuning" and self.tuning_lengths is not None else self.lengths
 
     def runs(self, split: str) -> list[Run]:
         """The tuning half: the default policy and every storage candidate per memory budget.
