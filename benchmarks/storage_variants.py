@@ -52,6 +52,8 @@ class StorageSpec:
     ``key_group``: tokens per scale for per-channel keys (KIVI), ``None`` for per-token keys.
     ``tiers``: keep entries in the high tier while the bytes allow, demoting by score (MiKV).
     ``high``: the high tier's ``(key bits, value bits)``, laid out as the low tier; ``None``: 8 bits per token.
+    ``pre_rope``: keys per channel are quantized before RoPE (KVQuant, Hooper et al. 2024,
+    https://arxiv.org/abs/2401.18079): RoPE's position is taken out, the group quantized, and put back.
     """
 
     key_bits: int
@@ -59,6 +61,7 @@ class StorageSpec:
     key_group: int | None = None
     tiers: bool = False
     high: tuple[int, int] | None = None
+    pre_rope: bool = False
 
     def _entry_bytes(self, key_bits: int, value_bits: int, head_dim: int) -> float:
         keys = token_bytes(key_bits, head_dim)
@@ -85,6 +88,9 @@ VARIANTS = {
     "kivi-k2v2": StorageSpec(2, 2, key_group=32),
     "kivi-tiers": StorageSpec(3, 2, key_group=64, tiers=True, high=(5, 3)),
     "sim-k3v2w8": StorageSpec(3, 2),
+    "kivi-k3v2": StorageSpec(3, 2, key_group=64),
+    "kivi-k3v2-pre": StorageSpec(3, 2, key_group=64, pre_rope=True),
+    "kivi-tiers-pre": StorageSpec(3, 2, key_group=64, tiers=True, high=(5, 3), pre_rope=True),
 }
 
 
@@ -171,8 +177,11 @@ class SimulatedStorageCache(EvictingKVCache):
         policy, kwargs: as :class:`EvictingKVCache` (``budget``, ``window`` and ``storage`` are set here).
     """
 
-    def __init__(self, spec: StorageSpec, memory: float, head_dim: int, policy: str = "default", **kwargs: Any):
-        self.spec, self.memory = spec, memory
+    def __init__(self, spec: StorageSpec, memory: float, head_dim: int, policy: str = "default",
+                 rope: nn.Module | None = None, **kwargs: Any):  # fmt: skip
+        if spec.pre_rope and rope is None:
+            raise ValueError("a pre-RoPE storage variant needs the model's RoPE")
+        self.spec, self.memory, self.rope = spec, memory, rope
         self.cost = spec.bytes_per_token(head_dim)
         budget = entries_for(spec, memory, head_dim)
         storage = SimulatedStorage(head_dim, low_keys=bool(spec.tiers and spec.key_group))
@@ -211,15 +220,25 @@ class SimulatedStorageCache(EvictingKVCache):
             if spec.tiers and not spec.high:  # the high tier: 8 bits per token until demoted
                 st.keys[..., a:b, :] = fake_quant(keys, 8)
             elif spec.key_group:
-                st.keys[..., a:b, :] = fake_quant_channels(keys, key_bits)
+                st.keys[..., a:b, :] = self._channels(keys, key_bits)
                 if spec.tiers:  # the low tier's key, rounded over the same group
-                    st.low_keys[..., a:b, :] = fake_quant_channels(keys, spec.key_bits)
+                    st.low_keys[..., a:b, :] = self._channels(keys, spec.key_bits)
             else:
                 st.keys[..., a:b, :] = fake_quant(keys, key_bits, rotation=self.rotation)
             st.values[..., a:b, :] = fake_quant(st.values[..., a:b, :], value_bits, rotation=self.rotation)
             if not spec.tiers:
                 st.low[..., a:b] = True
             self.done += group
+
+    def _channels(self, keys: mx.array, bits: int) -> mx.array:
+        """The group of keys from position ``done`` quantized per channel (before RoPE with ``pre_rope``)."""
+        if not self.spec.pre_rope:
+            return fake_quant_channels(keys, bits)
+        r = self.rope
+        turn = lambda x, sign: mx.fast.rope(  # noqa: E731
+            x, r.dims, traditional=r.traditional, base=r.base, scale=sign * r.scale, offset=self.done
+        )
+        return turn(fake_quant_channels(turn(keys, -1.0), bits), 1.0)
 
     def high_allowed(self) -> int:
         """Entries outside the window that may stay in the high tier within ``memory``."""
@@ -278,7 +297,8 @@ def make_simulated(model: nn.Module, name: str, fraction: float, context: int, *
     D = head_dim_of(model)
     spec = VARIANTS[name]
     memory = fraction * context * spec.bytes_per_token(D)["16bit"]
-    caches = [SimulatedStorageCache(spec, memory, D, **kwargs) for _ in model.layers]
+    rope = getattr(model.layers[0].self_attn, "rope", None) if spec.pre_rope else None
+    caches = [SimulatedStorageCache(spec, memory, D, rope=rope, **kwargs) for _ in model.layers]
     mlxevict.patch(model)
     return caches
 

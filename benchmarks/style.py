@@ -44,7 +44,8 @@ OTHER_STYLE = ("#9edae5", ".")
 # storage variants of the default policy (``benchmarks.storage_variants``): its colour, their own marker
 VARIANT_STYLES = {
     "kivi-k5v3": (-0.35, "*"), "kivi-k2v2": (0.4, "*"), "tiers-k3v2": (0.45, "d"), "kivi-tiers": (-0.2, "d"),
-    "sim-k5v3w8": (-0.5, "x"), "sim-k3v2w8": (0.3, "x"),
+    "sim-k5v3w8": (-0.5, "x"), "sim-k3v2w8": (0.3, "x"), "kivi-k3v2": (0.2, "*"), "kivi-k3v2-pre": (0.2, "P"),
+    "kivi-tiers-pre": (-0.2, "P"),
 }  # fmt: skip
 COMPRESS = " [compress]"  # a cache compressed once after prefill: its policy's look, dotted and lighter
 

@@ -94,6 +94,24 @@ def test_channel_quantize_equals_the_simulated_fake_quantization():
     assert mx.array_equal(ours, sim).item()
 
 
+def test_the_pre_rope_variant_quantizes_keys_before_rope():
+    """Keys whose pre-RoPE vector is the same at every position: per channel over a group, that is exact
+    before RoPE (each channel constant) and coarse after it (RoPE turns each channel pair by position)."""
+    model = tiny_model("llama")
+    rope = model.layers[0].self_attn.rope
+    dim = model.args.hidden_size // model.args.num_attention_heads
+    base = mx.broadcast_to(mx.random.normal((1, 1, 1, dim), key=mx.random.key(5)) * 4, (1, 2, 64, dim))
+    keys = rope(base, offset=96)  # positions 96..159, as a model writes them
+    errors = {}
+    for name in ("kivi-k3v2", "kivi-k3v2-pre"):
+        cache = sv.SimulatedStorageCache(sv.VARIANTS[name], 1e9, dim, rope=rope if "pre" in name else None)
+        cache.done = 96
+        errors[name] = mx.abs(cache._channels(keys, 3) - keys).max().item()
+    assert errors["kivi-k3v2-pre"] < 1e-4 < 0.1 < errors["kivi-k3v2"]
+    with pytest.raises(ValueError, match="needs the model's RoPE"):
+        sv.SimulatedStorageCache(sv.VARIANTS["kivi-k3v2-pre"], 1e9, dim)
+
+
 def pair(model, budget_bytes: float, sinks: int = 4):
     """The simulation (with the product's rotation) and the real storage, at the simulation's budget in entries."""
     sim = [
