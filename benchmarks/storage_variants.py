@@ -19,7 +19,9 @@ scale and bias per group). Variants (the evidence: ``docs/results/long/README.md
 - ``kivi-tiers``: the tiers over keys per channel: entries leave the window in KIVI 5/3 (the high
   tier), and the lowest-scored are demoted to KIVI 3/2 (keys re-quantized per channel over the
   same group of tokens, values to 2 bits) before any is evicted;
-- ``sim-k3v2w8``: the low tier alone (what the tiers add to).
+- ``sim-k3v2w8``: the low tier alone (what the tiers add to); ``kivi-k3v2``: the same with keys per channel;
+- ``*-pre`` (``kivi-k3v2-pre``, ``kivi-tiers-pre``): keys per channel quantized before RoPE (KVQuant,
+  https://arxiv.org/abs/2401.18079), for models with a plain ``nn.RoPE`` (docs/tiers.md: no gain measured).
 
 The policy is mlxevict's default for every variant. The entries and their tier mask are
 a storage component (:class:`SimulatedStorage`, a ``DenseStorage`` with a ``low`` slot
@@ -179,8 +181,8 @@ class SimulatedStorageCache(EvictingKVCache):
 
     def __init__(self, spec: StorageSpec, memory: float, head_dim: int, policy: str = "default",
                  rope: nn.Module | None = None, **kwargs: Any):  # fmt: skip
-        if spec.pre_rope and rope is None:
-            raise ValueError("a pre-RoPE storage variant needs the model's RoPE")
+        if spec.pre_rope and not all(hasattr(rope, a) for a in ("dims", "traditional", "base", "scale")):
+            raise ValueError("a pre-RoPE storage variant needs the model's RoPE (a plain mlx.nn.RoPE)")
         self.spec, self.memory, self.rope = spec, memory, rope
         self.cost = spec.bytes_per_token(head_dim)
         budget = entries_for(spec, memory, head_dim)
