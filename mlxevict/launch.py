@@ -17,6 +17,8 @@ import argparse
 import os
 import signal
 import sys
+import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, TextIO
 
@@ -29,6 +31,7 @@ from .resolve import Resolved, check_architecture
 from .memory import format_bytes
 
 ERROR_PREFIX = "mlxevict: error: "
+STOP_GRACE_S = 3.0  # how long mlx.launch's SIGTERM waits for the main thread before the rank ends itself
 launched = world  # the group of ranks under mlx.launch, None when this process runs alone
 
 
@@ -51,6 +54,7 @@ def join_ranks(args: argparse.Namespace) -> Optional[mx.distributed.Group]:
         args.seed = shared_seed(group)  # sampling draws the same token on every rank
     sys.stdin = SharedInput(sys.stdin, group)
     signal.signal(signal.SIGTERM, _stopped_by_launcher)
+    watch_stops()
     if group.rank() != 0:
         sys.stdout = open(os.devnull, "w")
         sys.stderr = RankErrors(sys.stderr, group, everything=bool(getattr(args, "debug", False)))
@@ -72,14 +76,52 @@ def quiet_stop() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def _stop_message() -> str:
+    return f"{this_rank()} was stopped by mlx.launch because another rank exited (its error, or mlx.launch's warning, names it)"
+
+
+_stop_handled = threading.Event()  # the main thread ran the SIGTERM handler: it is stopping
+
+
 def _stopped_by_launcher(signum: int, frame: Any) -> None:
     # mlx.launch terminates the other ranks once one exits with an error; without this the
     # ranks it stops die of SIGTERM without a word when the ring has not yet failed them.
+    _stop_handled.set()
+    message = _stop_message()
     quiet_stop()
-    who = this_rank()
-    raise MlxEvictError(
-        f"{who} was stopped by mlx.launch because another rank exited (its error, or mlx.launch's warning, names it)"
-    )
+    raise MlxEvictError(message)
+
+
+def watch_stops(grace: float = STOP_GRACE_S) -> None:
+    """End this rank on a SIGTERM even while its main thread is inside MLX (from the main thread, once).
+
+    Python runs :func:`_stopped_by_launcher` on the main thread between bytecodes: a rank blocked
+    in a collective whose peer is gone, or in one long ``mx.eval``, never runs it, and mlx.launch,
+    which waits for the rank it terminated, never ends (a CI run hung so). Python's own C-level
+    handler writes the signal's number to the wakeup fd at once; a thread reading it gives the main
+    thread ``grace`` seconds, then says the handler's line and exits. A main thread that did run the
+    handler gets ``2 * grace`` more to finish before the process ends without a further word.
+    """
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=_watch, args=(read, grace), daemon=True, name="mlxevict-stop-watch").start()
+
+
+def _watch(fd: int, grace: float) -> None:
+    while signal.SIGTERM not in os.read(fd, 64):  # other signals (Ctrl-C) are the main thread's
+        pass
+    if _stop_handled.wait(grace):
+        time.sleep(2 * grace)  # the main thread is stopping; a process still here after this is stuck
+        os._exit(1)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    sys.stderr.write(f"{ERROR_PREFIX}{_stop_message()}\n")
+    sys.stderr.flush()
+    os._exit(1)
 
 
 class RankErrors:

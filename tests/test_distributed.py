@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -209,6 +210,44 @@ def test_a_killed_rank_ends_the_others_with_one_error_line(tiny, stopped):
         assert "stopped by mlx.launch" in errors[0]
     assert "Traceback" not in err.decode()
     assert "rank 1 of 2: rank 1 of 2" not in err.decode()
+
+
+BLOCKED_IN_MLX = """
+import signal, sys
+import mlx.core as mx
+from mlxevict import launch
+signal.signal(signal.SIGTERM, launch._stopped_by_launcher)
+launch.watch_stops(grace=1.0)
+x = mx.random.normal((1024, 1024)) / 32
+for _ in range(int(sys.argv[1])):  # one graph: the main thread stays inside mx.eval until it is done
+    x = mx.tanh(x @ x) + x
+print("ready", flush=True)
+try:
+    mx.eval(x)
+    print("finished", flush=True)
+except launch.MlxEvictError as e:  # the handler ran on the main thread: between bytecodes, not inside the eval
+    print("handled by the main thread", flush=True)
+    sys.exit(f"mlxevict: error: {e}")
+"""
+
+
+def test_a_sigterm_ends_a_rank_whose_main_thread_is_inside_mlx():
+    """Python runs a signal handler between bytecodes only: a rank inside one long mx.eval (as one blocked
+    on a peer that is gone) must still end on mlx.launch's SIGTERM, with the one line, not after the eval."""
+    proc = subprocess.Popen([sys.executable, "-c", BLOCKED_IN_MLX, "20000"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env())  # fmt: skip
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        time.sleep(1.0)  # let it enter the eval (minutes long), so the signal comes while MLX holds the main thread
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        end(proc)
+    assert proc.returncode == 1
+    assert out == b"" and b"Traceback" not in err  # neither finished nor handled after the eval
+    lines = err.decode().splitlines()
+    assert lines == ["mlxevict: error: this rank was stopped by mlx.launch because another rank exited "
+                     "(its error, or mlx.launch's warning, names it)"], err.decode()[-2000:]  # fmt: skip
 
 
 def test_info_plans_a_model_over_hosts(tiny, capsys):
