@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, TextIO
 
@@ -99,8 +98,8 @@ def watch_stops(grace: float = STOP_GRACE_S) -> None:
     in a collective whose peer is gone, or in one long ``mx.eval``, never runs it, and mlx.launch,
     which waits for the rank it terminated, never ends (a CI run hung so). Python's own C-level
     handler writes the signal's number to the wakeup fd at once; a thread reading it gives the main
-    thread ``grace`` seconds, then says the handler's line and exits. A main thread that did run the
-    handler gets ``2 * grace`` more to finish before the process ends without a further word.
+    thread ``grace`` seconds, then says the handler's line and exits; a main thread that ran the handler
+    stops as before (a silent exit after it cut a sharded server's own error line in CI).
     """
     read, write = os.pipe()
     os.set_blocking(write, False)
@@ -112,8 +111,7 @@ def _watch(fd: int, grace: float) -> None:
     while signal.SIGTERM not in os.read(fd, 64):  # other signals (Ctrl-C) are the main thread's
         pass
     if _stop_handled.wait(grace):
-        time.sleep(2 * grace)  # the main thread is stopping; a process still here after this is stuck
-        os._exit(1)
+        return  # the main thread ran the handler: it stops and says its line itself
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
