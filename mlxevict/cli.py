@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 from . import __version__
 from .defaults import started_by_launcher
-from .errors import MlxEvictError, os_error
+from .errors import MlxEvictError, os_error, say_error
 from .openblas import reexec_with_openblas
 
 # command -> (module, the function that adds its subparser, its line in `mlxevict --help`).
@@ -120,7 +120,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     if sys.stdout is None:  # started with stdout closed (`>&-`): the answer would go nowhere
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # so no file we open lands on fd 1
-        print("mlxevict: error: stdout is closed; redirect it to a file (> out.txt) or to /dev/null", file=sys.stderr)
+        say_error("stdout is closed; redirect it to a file (> out.txt) or to /dev/null")
         return 1
     if argv is None:
         argv = sys.argv[1:]
@@ -161,17 +161,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE
     except RuntimeError as err:
         from .distributed import lost_peer
-        from .launch import lost_peer_message, quiet_stop
+        from .launch import lost_peer_message, stopping
 
         if not lost_peer(err):
             raise
-        quiet_stop()
-        print(f"mlxevict: error: {lost_peer_message(err)}", file=sys.stderr)
+        stopping()  # a SIGTERM from mlx.launch now lets this line out instead of ending the rank without it
+        say_error(lost_peer_message(err))
         return 1
     except (MlxEvictError, FileNotFoundError, NotADirectoryError) as err:
         if args.debug:
             traceback.print_exc()
-        print(f"mlxevict: error: {err}", file=sys.stderr)
+        say_error(str(err))
         return 1
     except OSError as err:  # a file-system fault nothing closer caught: a full disk under stdout, EIO
         if args.debug:
@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if err.filename is None:  # a write that names no file: the output stream (`> /dev/full`)
             err.filename = "stdout"
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the final flush must not fail again
-        print(f"mlxevict: error: {os_error(err, None, 'write somewhere else')}", file=sys.stderr)
+        say_error(str(os_error(err, None, "write somewhere else")))
         return 1
 
 

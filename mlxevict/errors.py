@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import errno
+import sys
+import threading
 from pathlib import Path
+from typing import Optional, TextIO
+
+ERROR_PREFIX = "mlxevict: error: "
 
 # errno -> what happened, in words a user acts on.
 _OS_FAULTS = {
@@ -19,6 +24,32 @@ _OS_FAULTS = {
 
 class MlxEvictError(ValueError):
     """Bad input or an expected fault; the CLI prints ``str(err)`` and exits non-zero."""
+
+
+class Stopped(MlxEvictError):
+    """The process is being ended (mlx.launch's SIGTERM): a loop that goes on after an error lets it through."""
+
+
+_last_word = threading.Lock()
+_said = False
+
+
+def say_error(message: str, file: Optional[TextIO] = None) -> None:
+    """Print ``mlxevict: error: MESSAGE``; a rank under mlx.launch prints only its first (its last word).
+
+    A rank can reach its end on two threads at once (its main thread, and the stop watcher of
+    :mod:`mlxevict.launch`): one line must come out, whole, whichever is first.
+    """
+    from .defaults import started_by_launcher
+
+    global _said
+    with _last_word:
+        if _said:
+            return
+        _said = started_by_launcher()
+        stream = file or sys.stderr
+        stream.write(f"{ERROR_PREFIX}{message}\n")
+        stream.flush()
 
 
 def os_error(err: OSError, path: str | Path | None, fix: str) -> MlxEvictError:

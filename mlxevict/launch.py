@@ -18,19 +18,20 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, TextIO
 
 import mlx.core as mx
 
 from .distributed import broadcast_text, check_shardable, gather_values, shared_seed, world
-from .errors import MlxEvictError
+from .errors import ERROR_PREFIX, MlxEvictError, Stopped, say_error
 from .events import Finished
 from .resolve import Resolved, check_architecture
 from .memory import format_bytes
 
-ERROR_PREFIX = "mlxevict: error: "
 STOP_GRACE_S = 3.0  # how long mlx.launch's SIGTERM waits for the main thread before the rank ends itself
+ENDING_S = 6.0  # how long a rank already ending on its own (its line said or on its way) has to finish
 launched = world  # the group of ranks under mlx.launch, None when this process runs alone
 
 
@@ -52,7 +53,6 @@ def join_ranks(args: argparse.Namespace) -> Optional[mx.distributed.Group]:
     if getattr(args, "seed", 0) is None:
         args.seed = shared_seed(group)  # sampling draws the same token on every rank
     sys.stdin = SharedInput(sys.stdin, group)
-    signal.signal(signal.SIGTERM, _stopped_by_launcher)
     watch_stops()
     if group.rank() != 0:
         sys.stdout = open(os.devnull, "w")
@@ -69,38 +69,42 @@ def lost_peer_message(err: BaseException) -> str:
     )
 
 
-def quiet_stop() -> None:
-    """A later SIGTERM from mlx.launch ends this rank silently: it has said its error already."""
-    if world() is not None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def _stop_message() -> str:
     return f"{this_rank()} was stopped by mlx.launch because another rank exited (its error, or mlx.launch's warning, names it)"
 
 
-_stop_handled = threading.Event()  # the main thread ran the SIGTERM handler: it is stopping
+_stopping = threading.Event()  # the rank is ending on its own: its main thread met a lost peer or ran the handler
+
+
+def stopping() -> None:
+    """Mark this rank as ending (it met a lost peer): mlx.launch's SIGTERM then waits for its line.
+
+    A SIGTERM that killed the rank between the lost peer and its error line ended it without a word
+    (a CI run: rank 0 exited with -15 and no line).
+    """
+    _stopping.set()
 
 
 def _stopped_by_launcher(signum: int, frame: Any) -> None:
     # mlx.launch terminates the other ranks once one exits with an error; without this the
     # ranks it stops die of SIGTERM without a word when the ring has not yet failed them.
-    _stop_handled.set()
-    message = _stop_message()
-    quiet_stop()
-    raise MlxEvictError(message)
+    if _stopping.is_set():
+        return  # already ending: its line is said or on its way, and the watcher bounds the rest
+    _stopping.set()
+    raise Stopped(_stop_message())
 
 
 def watch_stops(grace: float = STOP_GRACE_S) -> None:
-    """End this rank on a SIGTERM even while its main thread is inside MLX (from the main thread, once).
+    """Handle mlx.launch's SIGTERM with one error line, even while the main thread is inside MLX.
 
-    Python runs :func:`_stopped_by_launcher` on the main thread between bytecodes: a rank blocked
-    in a collective whose peer is gone, or in one long ``mx.eval``, never runs it, and mlx.launch,
-    which waits for the rank it terminated, never ends (a CI run hung so). Python's own C-level
-    handler writes the signal's number to the wakeup fd at once; a thread reading it gives the main
-    thread ``grace`` seconds, then says the handler's line and exits; a main thread that ran the handler
-    stops as before (a silent exit after it cut a sharded server's own error line in CI).
+    Call from the main thread, once. Python runs :func:`_stopped_by_launcher` on the main thread
+    between bytecodes: a rank blocked in a collective whose peer is gone, or in one long ``mx.eval``,
+    never runs it, and mlx.launch, which waits for the rank it terminated, never ends (a CI run hung
+    so). Python's own C-level handler writes the signal's number to the wakeup fd at once; a thread
+    reading it gives the main thread ``grace`` seconds to start ending, and one that has started
+    ``ENDING_S`` more; then it says the stop line, unless the rank said its own, and exits.
     """
+    signal.signal(signal.SIGTERM, _stopped_by_launcher)
     read, write = os.pipe()
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
@@ -110,15 +114,14 @@ def watch_stops(grace: float = STOP_GRACE_S) -> None:
 def _watch(fd: int, grace: float) -> None:
     while signal.SIGTERM not in os.read(fd, 64):  # other signals (Ctrl-C) are the main thread's
         pass
-    if _stop_handled.wait(grace):
-        return  # the main thread ran the handler: it stops and says its line itself
+    if _stopping.wait(grace):
+        time.sleep(ENDING_S)  # the main thread is ending and says its own line; a rank still here is stuck
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    sys.stderr.write(f"{ERROR_PREFIX}{_stop_message()}\n")
-    sys.stderr.flush()
+    say_error(_stop_message())  # nothing when the main thread said its line
     os._exit(1)
 
 

@@ -216,7 +216,6 @@ BLOCKED_IN_MLX = """
 import signal, sys
 import mlx.core as mx
 from mlxevict import launch
-signal.signal(signal.SIGTERM, launch._stopped_by_launcher)
 launch.watch_stops(grace=1.0)
 x = mx.random.normal((1024, 1024)) / 32
 for _ in range(int(sys.argv[1])):  # one graph: the main thread stays inside mx.eval until it is done
@@ -225,7 +224,7 @@ print("ready", flush=True)
 try:
     mx.eval(x)
     print("finished", flush=True)
-except launch.MlxEvictError as e:  # the handler ran on the main thread: between bytecodes, not inside the eval
+except launch.Stopped as e:  # the handler ran on the main thread: between bytecodes, not inside the eval
     print("handled by the main thread", flush=True)
     sys.exit(f"mlxevict: error: {e}")
 """
@@ -248,6 +247,40 @@ def test_a_sigterm_ends_a_rank_whose_main_thread_is_inside_mlx():
     lines = err.decode().splitlines()
     assert lines == ["mlxevict: error: this rank was stopped by mlx.launch because another rank exited "
                      "(its error, or mlx.launch's warning, names it)"], err.decode()[-2000:]  # fmt: skip
+
+
+ENDING_WHILE_TERMINATED = """
+import os, signal, sys, time
+from mlxevict import errors, launch
+launch.watch_stops(grace=1.0)
+if sys.argv[1] == "lost peer":
+    launch.stopping()  # as the CLI does on the ring's error, before its line
+    os.kill(os.getpid(), signal.SIGTERM)  # mlx.launch's SIGTERM lands before the line is out
+else:
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    except errors.Stopped as stop:
+        os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM while it unwinds
+        time.sleep(0.5)
+        errors.say_error(str(stop))
+        sys.exit(1)
+time.sleep(0.5)
+errors.say_error("rank 0 of 2 lost the connection to another rank")
+sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("path", ["lost peer", "handler"])
+def test_a_sigterm_while_a_rank_ends_lets_its_one_line_out(path):
+    """A rank that is ending (it met a lost peer, or ran the SIGTERM handler) says its own line
+    once, whatever SIGTERMs come meanwhile: one killed it silently with -15 in a CI run."""
+    environ = env() | {"MLX_RANK": "0"}  # a rank as mlx.launch starts it: its error line is its last word
+    done = subprocess.run([sys.executable, "-c", ENDING_WHILE_TERMINATED, path], capture_output=True,
+                          env=environ, timeout=HANG_GUARD_S)  # fmt: skip
+    said = "lost the connection" if path == "lost peer" else "stopped by mlx.launch"
+    lines = done.stderr.decode().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and said in lines[0], done.stderr.decode()[-2000:]
 
 
 def test_info_plans_a_model_over_hosts(tiny, capsys):

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, TextIO
 
-from ..errors import MlxEvictError
+from ..errors import ERROR_PREFIX, MlxEvictError, Stopped
 from ..policies import policy_names
 from .flags import (
     add_cache_options,
@@ -202,5 +202,7 @@ def repl(
                     return 0
             else:
                 turn(session, line, out, err, show_reasoning)
+        except Stopped:
+            raise  # the rank is being ended: the CLI says the one line
         except MlxEvictError as error:
-            print(f"mlxevict: error: {error}", file=err)
+            print(f"{ERROR_PREFIX}{error}", file=err)
