@@ -171,7 +171,7 @@ def entries_within(model: nn.Module, name: str, fraction: float, context: int, s
         except ValueError:  # below the protected entries: smaller than any budget that runs
             return True
         for c in caches:  # what a full cache holds: the capacity it keeps once the budget is reached
-            c._allocate(1, shape.kv_heads, shape.head_dim, shape.head_dim, mx.float16, c._capacity_for(c.budget))
+            c.allocate_full(1, shape.kv_heads, shape.head_dim, shape.head_dim, mx.float16)
         return kv_bytes_16bit(caches, bound=True) <= limit
 
     if not _known(name):  # an error, not a budget that fits (fits() reads a ValueError as "too small to run")
@@ -217,13 +217,11 @@ def kv_bytes_16bit(caches: Sequence[Any], bound: bool = False) -> int:
             continue
         storage = getattr(c, "storage", None)
         if isinstance(c, mlxevict.EvictingKVCache):
-            arrays, held = [c.keys, c.values] + ([c.fp_keys, c.fp_values] if c.kv_bits else []), None
-            if storage.demotes:  # precision tiers: their low tier too; bound: the bytes they may hold
-                if bound:
-                    B, H, D = storage.shape[:3]
-                    total += B * H * storage.head_memory(D, 2)
-                    continue
-                arrays += [storage.low_keys, storage.low_values]
+            if storage.demotes and bound:  # precision tiers: the bytes they may hold
+                B, H, D = storage.shape[:3]
+                total += B * H * storage.head_memory(D, 2)
+                continue
+            arrays, held = storage.arrays(), None
         else:
             arrays, held = [c.keys, c.values], min(c.offset, getattr(c, "max_size", None) or c.offset)
         for _, x in tree_flatten(arrays):

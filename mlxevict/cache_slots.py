@@ -87,6 +87,10 @@ class CacheSlots:
         """``(B, H, D, Dv, dtype)`` of the keys and values as the model made them."""
         return self.storage.shape
 
+    def allocate_full(self, B: int, H: int, D: int, Dv: int, dtype: mx.Dtype) -> None:
+        """Hold, empty, the arrays this cache holds once its budget is full: a budget's bytes without a model run."""
+        self._allocate(B, H, D, Dv, dtype, self._capacity_for(self.budget))
+
     def _slots(self) -> list[mx.array]:
         """Every per-slot array, ``positions`` first: what compaction gathers."""
         return [self.positions, *self.storage.slots(), self.stats]

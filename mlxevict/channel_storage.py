@@ -136,10 +136,10 @@ class ChannelStorage:
 
     @property
     def nbytes(self) -> int:
-        return sum(x.nbytes for x in self._arrays())
+        return sum(x.nbytes for x in self.arrays())
 
-    def _arrays(self) -> list[mx.array]:
-        """Every array the storage holds (none before the first token)."""
+    def arrays(self) -> list[mx.array]:
+        """Every array the storage holds (none before the first token): what :attr:`nbytes` counts."""
         if self.keys is None:
             return []
         return [x for part in (self.keys, self.values, self.fp_keys, self.fp_values) for x in part]

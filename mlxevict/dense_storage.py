@@ -50,9 +50,13 @@ class DenseStorage:
         B, H, _, D = self.keys.shape
         return B, H, D, self.values.shape[3], self.keys.dtype
 
+    def arrays(self) -> list[mx.array]:
+        """Every array the storage holds (none before the first token): what :attr:`nbytes` counts."""
+        return [] if self.keys is None else [self.keys, self.values]
+
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return sum(x.nbytes for x in self.arrays())
 
     def write(self, keys: mx.array, values: mx.array, start: int) -> None:
         """Store ``(B, H, S, D)`` keys/values in slots ``[start, start + S)``."""

@@ -114,11 +114,15 @@ class QuantizedStorage:
         B, H, _, groups = self.keys[1].shape
         return B, H, groups * self.kv_group_size, self.values[1].shape[3] * self.kv_group_size, self.keys[1].dtype
 
+    def arrays(self) -> list[mx.array]:
+        """Every array the storage holds (none before the first token): what :attr:`nbytes` counts."""
+        if self.keys is None:
+            return []
+        return [x for _, x in tree_flatten((self.keys, self.values, self.fp_keys, self.fp_values))]
+
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return sum(x.nbytes for _, x in tree_flatten((self.keys, self.values, self.fp_keys, self.fp_values)))
+        return sum(x.nbytes for x in self.arrays())
 
     @property
     def rotation(self) -> Optional[mx.array]:

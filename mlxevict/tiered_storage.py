@@ -121,8 +121,8 @@ class TieredStorage(ChannelStorage):
         """Low-tier entries of a cache holding ``size``."""
         return size - self.n_full - self.n_high
 
-    def _arrays(self) -> list[mx.array]:
-        return [*super()._arrays(), *self.low_keys, *self.low_values] if self.keys is not None else []
+    def arrays(self) -> list[mx.array]:
+        return [*super().arrays(), *self.low_keys, *self.low_values] if self.keys is not None else []
 
     # ---- write and read ------------------------------------------------------
     def _store_groups(self, fresh_k, fresh_v, n_held: int, done: int, slot: int) -> None:
@@ -160,7 +160,7 @@ class TieredStorage(ChannelStorage):
             return 0  # only a group entering the high tier adds bytes
         self.grew = False
         B, H, D, _, dtype = self.shape
-        arrays = self._arrays()
+        arrays = self.arrays()
         spare = self.low_keys[1].shape[2] - self.n_low(size)  # low slots an eviction freed: no new bytes
         counts = [0]
         for float_size in {dtype.size, 2}:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import mlx.core as mx
 import pytest
@@ -222,3 +223,11 @@ def test_quick_long_eval_on_the_real_model(smollm_path, tmp_path):
     assert set(rows) == {"kvcache", "default", long_runs.PRODUCT_STORAGE}
     assert rows[long_runs.PRODUCT_STORAGE]["kv_fraction_16bit"] <= 0.25
     assert (tmp_path / "long_test.png").stat().st_size > 0
+
+
+def test_the_variants_help_names_every_simulated_storage():
+    """The help lists the names by hand (the parser does not import MLX); it must not fall behind."""
+    p = argparse.ArgumentParser()
+    long_cli.add_long_arguments(p)
+    helped = set(re.findall(r"[\w-]+", next(a.help for a in p._actions if a.dest == "variants")))
+    assert [name for name in sv.VARIANTS if name not in helped] == []
