@@ -27,14 +27,11 @@ class QueryLog:
     def __init__(self, policy) -> None:
         self.policy = policy
         self.pending: list[mx.array] = []  # (B, H*G, S, D) each, consecutive positions
+        self.count = 0  # queued query tokens (kept as they come: summed at every decode step it cost 1% of its time)
         self.start = 0  # position of the first queued query
         self.entropy: list[mx.array] = []  # (B, S) each
         self.recent: Optional[mx.array] = None  # (B, H*G, query_window, D)
         self.recent_pos: Optional[mx.array] = None  # (query_window,), -1 before any query
-
-    @property
-    def count(self) -> int:
-        return sum(q.shape[2] for q in self.pending)
 
     def add(self, queries: mx.array, offset: int, first_read: int = 0) -> bool:
         """Queue the ``(B, H*G, S, D)`` queries of the positions up to ``offset``; ``True``: fold them in now.
@@ -54,10 +51,11 @@ class QueryLog:
             # this chunk's queries (every layer's) are not held until the caches are next evaluated.
             queries = mx.contiguous(queries[:, :, -window:])
             mx.async_eval(queries)
-            self.pending = []
+            self.pending, self.count = [], 0
         if not self.pending:
             self.start = offset - queries.shape[2]
         self.pending.append(queries)
+        self.count += queries.shape[2]
         # An observing policy folds a prompt chunk in at once, so its queries are not held past the
         # forward pass, and decoded queries every PENDING_LIMIT (one fed H(p_t) waits for it).
         return policy.observes and not policy.uses_prediction_entropy and (S > 1 or self.count >= PENDING_LIMIT)
@@ -75,7 +73,7 @@ class QueryLog:
         queries = mx.concatenate(self.pending, axis=2)  # B, H*G, P, D
         query_pos = mx.arange(self.start, self.start + queries.shape[2], dtype=mx.int32)
         entropy = mx.concatenate(self.entropy, axis=1) if self.entropy else None
-        self.pending, self.entropy = [], []
+        self.pending, self.entropy, self.count = [], [], 0
         window = self.policy.query_window
         if window:
             if self.recent is None:
