@@ -298,3 +298,14 @@ def test_variant_specs_build_the_policy_with_its_arguments(model):
     assert (tuned[0].policy.query_window, tuned[0].policy.kernel) == (8, 3)
     assert variants.make_variant(model, "default", 64, settings)[0].policy.query_window == 32
     assert type(variants.make_variant(model, "rotating", 64, settings)[0]).__name__ == "RotatingKVCache"
+
+
+def test_layer_probe_makes_the_named_layers_exact(model):
+    """Every layer exact is the full cache itself (KL 0); the cache as it is, at 30% of the bytes, is not."""
+    from mlxevict.benchmarks import layer_probe
+
+    rows = layer_probe.probe(model, TOK, "default", 0.3, [[0], [0, 1]], texts=1, length=320, scored=64)
+    assert [block for block, _ in rows] == [[], [0], [0, 1]]
+    (_, as_is), _, (_, exact) = rows
+    assert as_is.kl > 1e-4 and exact.kl == 0.0 and exact.top1 == 1.0
+    assert layer_probe._blocks("0-2,5") == [[0, 1, 2], [5]]
