@@ -309,3 +309,17 @@ def test_layer_probe_makes_the_named_layers_exact(model):
     (_, as_is), _, (_, exact) = rows
     assert as_is.kl > 1e-4 and exact.kl == 0.0 and exact.top1 == 1.0
     assert layer_probe._blocks("0-2,5") == [[0, 1, 2], [5]]
+
+
+def test_an_eight_bit_layer_is_measured_at_the_bytes_of_the_cache_alone(model):
+    from mlxevict.benchmarks import layer_probe
+    from mlxevict.benchmarks.long_runs import LongConfig
+
+    config = LongConfig(lengths=(700,), tuning_lengths=(700,), kinds=("passkey",), fidelity_texts=1,
+                        fidelity_length=320, fidelity_scored=64)  # fmt: skip
+    rows = layer_probe.eight_bit_layer(model, TOK, "default", 0.5, 0, config)
+    assert [(r["batch"], "8-bit" in r["setting"]) for r in rows] == [
+        ("retrieval 700", False), ("retrieval 700", True), ("fidelity", False), ("fidelity", True)]
+    for alone, mixed in (rows[:2], rows[2:]):
+        assert abs(alone["kv"] - 0.5) < 0.02 and abs(mixed["kv"] - alone["kv"]) < 0.02, (alone, mixed)
+    assert rows[0]["of"] >= rows[0]["answers"] >= 0 and rows[2]["kl"] > 0
