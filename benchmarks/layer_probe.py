@@ -45,7 +45,7 @@ def probe(model: nn.Module, tokenizer: Any, cache: str, fraction: float, blocks:
     from mlx_lm.models.cache import KVCache
 
     batch = Batch("fidelity", mx.array(make_long_texts(tokenizer, texts, length, split, SEEDS[split])), length - scored, [])
-    ref = score(batch, tail_logits(model, [KVCache() for _ in model.layers], batch, "stream", CHUNK, False), None)
+    ref = _full_cache(model, batch)
     settings = CacheSettings()
     budget = entries_within(model, cache, fraction, length, settings)
     rows = []
@@ -66,14 +66,14 @@ def eight_bit_layer(model: nn.Module, tokenizer: Any, cache: str, fraction: floa
         One dict per (batch, setting): ``batch``, ``setting``, ``answers`` and ``of`` (retrieval: answers
         the full cache gets, and how many of them this one gets) or ``top1`` and ``kl``, and ``kv``.
     """
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+    from mlx_lm.models.cache import QuantizedKVCache
 
     n, settings = len(model.layers), CacheSettings()
     rest = (fraction * n - Q8_SHARE) / (n - 1)
     rows = []
     for batch in build_batches(tokenizer, config, split):
         L = batch.tokens.shape[1]
-        ref = score(batch, tail_logits(model, [KVCache() for _ in model.layers], batch, "stream", CHUNK, False), None)
+        ref = _full_cache(model, batch)
         alone = make_caches(model, cache, entries_within(model, cache, fraction, L, settings), settings)
         mixed = make_caches(model, cache, entries_within(model, cache, rest, L, settings), settings)
         mixed[layer] = QuantizedKVCache(group_size=64, bits=8)
@@ -87,6 +87,13 @@ def eight_bit_layer(model: nn.Module, tokenizer: Any, cache: str, fraction: floa
                 row.update(top1=out.top1, kl=out.kl)
             rows.append(row)
     return rows
+
+
+def _full_cache(model: nn.Module, batch: Batch) -> Outcome:
+    """The reference: ``batch`` streamed into mlx-lm's ``KVCache`` in every layer."""
+    from mlx_lm.models.cache import KVCache
+
+    return score(batch, tail_logits(model, [KVCache() for _ in model.layers], batch, "stream", CHUNK, False), None)
 
 
 def _blocks(text: str) -> list[list[int]]:

@@ -6,7 +6,6 @@ import errno
 import sys
 import threading
 from pathlib import Path
-from typing import Optional, TextIO
 
 ERROR_PREFIX = "mlxevict: error: "
 
@@ -34,7 +33,7 @@ _last_word = threading.Lock()
 _said = False
 
 
-def say_error(message: str, file: Optional[TextIO] = None) -> None:
+def say_error(message: str) -> None:
     """Print ``mlxevict: error: MESSAGE``; a rank under mlx.launch prints only its first (its last word).
 
     A rank can reach its end on two threads at once (its main thread, and the stop watcher of
@@ -47,9 +46,8 @@ def say_error(message: str, file: Optional[TextIO] = None) -> None:
         if _said:
             return
         _said = started_by_launcher()
-        stream = file or sys.stderr
-        stream.write(f"{ERROR_PREFIX}{message}\n")
-        stream.flush()
+        sys.stderr.write(f"{ERROR_PREFIX}{message}\n")
+        sys.stderr.flush()
 
 
 def os_error(err: OSError, path: str | Path | None, fix: str) -> MlxEvictError:

@@ -27,7 +27,7 @@ class QueryLog:
     def __init__(self, policy) -> None:
         self.policy = policy
         self.pending: list[mx.array] = []  # (B, H*G, S, D) each, consecutive positions
-        self.count = 0  # queued query tokens (kept as they come: summed at every decode step it cost 1% of its time)
+        self.count = 0  # queued query tokens (kept as they come: summing the list at every decode step took 0.5% of a profiled decode)
         self.start = 0  # position of the first queued query
         self.entropy: list[mx.array] = []  # (B, S) each
         self.recent: Optional[mx.array] = None  # (B, H*G, query_window, D)
