@@ -255,7 +255,7 @@ def split_storage(name: str) -> tuple[str, dict[str, Any]]:
     return base, {k: v for k, v in storage.options().items() if k in _SUFFIX_SETS and v}
 
 
-_SUFFIX_SETS = ("kv_bits", "window_bits", "key_group", "low_bits")  # what a suffix sets; the rest stay make_cache's defaults
+_SUFFIX_SETS = ("kv_bits", "window_bits", "key_group", "low_bits", "eight_bit_layers")  # what a suffix sets; the rest stay make_cache's defaults
 
 
 def _known(name: str) -> bool:

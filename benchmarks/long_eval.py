@@ -32,7 +32,7 @@ import mlx.nn as nn
 
 from .caches import REFERENCE, check_budget, release
 from .long_feed import budget_for, build, build_batches, feed, fork, kv_fraction, tail_logits
-from .long_runs import CHOSEN, SEEDS, LongConfig, Run, config_json
+from .long_runs import CHOSEN, PRODUCT_STORAGE, SEEDS, LongConfig, Run, config_json
 from .long_score import (
     Outcome,
     describe_batches,
@@ -45,6 +45,15 @@ from .long_score import (
 )
 
 Progress = Callable[[str], None]
+
+
+def product_storage(model: nn.Module, fraction: float) -> str:
+    """The memory rule's storage for this model at ``fraction`` of a 16-bit full cache of the context: the tiers,
+    with the model's calibrated layers in 8 bits at ``EIGHT_BIT_SHARE`` and above (:func:`mlxevict.plan.memory_storage`)."""
+    from mlxevict.plan import EIGHT_BIT_SHARE, calibrated_layers
+
+    layers = calibrated_layers(model) if fraction >= EIGHT_BIT_SHARE else ()
+    return PRODUCT_STORAGE + (f"e{'.'.join(map(str, layers))}" if layers else "")
 
 
 def run_split(
@@ -72,6 +81,8 @@ def run_split(
         if r.cache == CHOSEN:
             r = Run(chosen[r.fraction], r.budget_of, r.fraction, r.protocol)
             picked.add(r)
+        if r.cache == PRODUCT_STORAGE and r.budget_of == "memory":
+            r = Run(product_storage(model, r.fraction), r.budget_of, r.fraction, r.protocol)
         if r not in runs:
             runs.append(r)
     refs: dict[str, Outcome] = {}

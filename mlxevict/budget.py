@@ -10,7 +10,7 @@ in :func:`mlxevict.plan.plan_cache`, which calls these.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import psutil
@@ -150,12 +150,31 @@ def tokens_within(
 
 def storage_nbytes(model_or_config: Any, tokens: int, storage: KVStorage = DTYPE) -> int:
     """KV bytes of a cache of ``tokens`` entries in ``storage``, its window at its own size."""
-    return held_nbytes(tokens, **_costs(model_or_config, storage))
+    return _held(tokens, _parts(model_or_config, storage))
 
 
-def _costs(model_or_config: Any, storage: KVStorage) -> dict[str, Any]:
-    """Bytes per token, a quantized window's bytes per token and its length, for ``held_nbytes`` and kin."""
+def _parts(model_or_config: Any, storage: KVStorage) -> list[dict[str, Any]]:
+    """:func:`_costs` per group of layers stored alike (layers in 8 bits apart: ``storage.eight_bit_layers``)."""
     shape = kv_shape(model_or_config)
+    return [_costs(replace(shape, layers=n), s) for n, s in storage.layer_groups(shape.layers)]
+
+
+def _held(tokens: int, parts: list[dict[str, Any]]) -> int:
+    return sum(held_nbytes(tokens, **costs) for costs in parts)
+
+
+def _within(nbytes: int, parts: list[dict[str, Any]]) -> int:
+    """:func:`tokens_within` over every group of layers: the most tokens (the same in each) whose KV fits."""
+    if len(parts) == 1:
+        return tokens_within(nbytes, **parts[0])
+    tokens = max(0, nbytes) // max(1, sum(c["bytes_per_token"] for c in parts))
+    while tokens > 0 and _held(tokens, parts) > nbytes:
+        tokens -= 1
+    return tokens
+
+
+def _costs(shape: Any, storage: KVStorage) -> dict[str, Any]:
+    """Bytes per token, a quantized window's bytes per token and its length, for ``held_nbytes`` and kin."""
     return dict(
         bytes_per_token=shape.storage_bytes(storage),
         window_bytes_per_token=shape.window_bytes(storage),
@@ -188,8 +207,15 @@ def fit_budget(
     Returns:
         A positive multiple of 64, at least ``MIN_AUTO_BUDGET``.
     """
-    nbytes = int(max(0, available) * fraction)
-    tokens = tokens_within(nbytes, bytes_per_token, window_bytes_per_token, full_precision_window, held_extra, fixed)
+    costs = dict(bytes_per_token=bytes_per_token, window_bytes_per_token=window_bytes_per_token,
+                 full_precision_window=full_precision_window, held_extra=held_extra, fixed=fixed)  # fmt: skip
+    return _fit(available, [costs], fraction, context_limit)
+
+
+def _fit(available: int, parts: list[dict[str, Any]], fraction: float = AUTO_FRACTION,
+         context_limit: Optional[int] = None) -> int:  # fmt: skip
+    """:func:`fit_budget` over every group of layers (:func:`_parts`)."""
+    tokens = _within(int(max(0, available) * fraction), parts)
     if context_limit:
         tokens = min(tokens, context_limit)
     return max(MIN_AUTO_BUDGET, tokens // 64 * 64)
@@ -215,9 +241,9 @@ def budget_tokens(
     """
     if request.tokens is not None:
         return request.tokens
-    costs = _costs(model_or_config, storage)
+    parts = _parts(model_or_config, storage)
     if request.nbytes is not None:
-        return tokens_within(request.nbytes, **costs)
+        return _within(request.nbytes, parts)
     if available is None:
         available = psutil.virtual_memory().available
-    return fit_budget(available=available, context_limit=context_limit, **costs)
+    return _fit(available, parts, context_limit=context_limit)

@@ -21,7 +21,8 @@ from .prompts import as_wrapper, encode_text, render
 from .stats import CacheStats, cache_stats
 
 FROM_OPTIONS = "from options"  # storage_request: what cache_options store
-STORAGE_KEYS = ("kv_bits", "kv_group_size", "full_precision_window", "window_bits", "kv_rotate", "key_group", "low_bits")
+STORAGE_KEYS = ("kv_bits", "kv_group_size", "full_precision_window", "window_bits", "kv_rotate", "key_group", "low_bits",
+                "eight_bit_layers")
 
 
 def _cache_error(err: ValueError) -> MlxEvictError:

@@ -35,6 +35,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "add_cache_prompt_parser",
         "read a prompt into an evicting cache and save it for generate --prompt-cache-file",
     ),
+    "calibrate": (
+        "mlxevict.commands.calibrate",
+        "add_calibrate_parser",
+        "find the layers to keep in 8 bits under a memory budget (once per model)",
+    ),
     "info": (
         "mlxevict.commands.info",
         "add_info_parser",

@@ -35,7 +35,8 @@ class KVShape:
 
     def storage_bytes(self, storage: KVStorage = DTYPE) -> int:
         """Bytes per token, all layers, in ``storage`` (a quantized cache's window: :meth:`window_bytes`)."""
-        return self.layers * self.kv_heads * storage.bytes_per_token(self.head_dim, self.dtype_size)
+        groups = storage.layer_groups(self.layers)  # layers in 8 bits apart
+        return self.kv_heads * sum(n * s.bytes_per_token(self.head_dim, self.dtype_size) for n, s in groups)
 
     def fixed_bytes(self, storage: KVStorage = DTYPE) -> int:
         """Bytes, all layers, that ``storage`` holds whatever its tokens (a table's reserved rows)."""

@@ -33,11 +33,13 @@ API = {
     "kv_bits": "kv_bits={!r}", "group": "kv_group_size={!r}", "fp": "full_precision_window={!r}",
     "window_bits": "window_bits={!r}", "bits_flag": "kv_bits", "pair": "(5, 3)", "none": "None",
     "group_fix": "kv_group_size={}", "key_group": "key_group={!r}", "low_bits": "low_bits={!r}",
+    "eight": "eight_bit_layers={!r}",
 }  # fmt: skip
 FLAGS = {
     "kv_bits": "--kv-bits {}", "group": "--kv-group-size {}", "fp": "--fp-window {}",
     "window_bits": "--window-bits {}", "bits_flag": "--kv-bits", "pair": "5,3", "none": "none",
     "group_fix": "--kv-group-size {}", "key_group": "--key-group {}", "low_bits": "--low-bits {}",
+    "eight": "--eight-bit-layers {}",
 }  # fmt: skip
 
 
@@ -64,7 +66,7 @@ def storage_bytes(dim: int, dtype_size: int, bits: Optional[int] = None, group_s
 
 
 def _spell(names: Mapping[str, str], key: str, value: Any) -> str:
-    if key in ("kv_bits", "low_bits") and names is FLAGS and isinstance(value, (tuple, list)):
+    if key in ("kv_bits", "low_bits", "eight") and names is FLAGS and isinstance(value, (tuple, list)):
         value = ",".join(map(str, value))
     return names[key].format(value)
 
@@ -83,6 +85,7 @@ def check(
     *,
     key_group: Any = None,
     low_bits: Any = None,
+    eight_bit_layers: Any = (),
     head_dims: tuple[int, ...] = (),
     names: Mapping[str, str] = API,
 ) -> None:
@@ -100,6 +103,7 @@ def check(
             with key bits under 8 and ``window_bits`` 8.
         low_bits: the low precision tier's ``(key bits, value bits)`` (:mod:`mlxevict.tiered_storage`):
             with ``key_group``, each at most ``kv_bits``'s and one of them fewer.
+        eight_bit_layers: layer indices stored in 8 bits (the rest in ``kv_bits``, under 8).
         head_dims: the key and value head dims, when known.
         names: :data:`API` (``make_cache``'s argument names) or :data:`FLAGS` (the CLI's).
     """
@@ -144,6 +148,8 @@ def check(
             )
     if low_bits is not None:
         _check_low(kv_bits, low_bits, key_group, names)
+    if eight_bit_layers:
+        _check_eight(kv_bits, eight_bit_layers, names)
     if full_precision_window is not None and (
         not isinstance(full_precision_window, int) or full_precision_window < 0
     ):
@@ -173,6 +179,16 @@ def _check_low(kv_bits: Any, low_bits: Any, key_group: Any, names: Mapping[str, 
         raise ValueError(f"{low} must take fewer bits than {_spell(names, 'kv_bits', kv_bits)} (the high tier)")
 
 
+def _check_eight(kv_bits: Any, layers: Any, names: Mapping[str, str]) -> None:
+    """Layers in 8 bits (:func:`check`): distinct indices >= 0, the other layers under 8 bits."""
+    eight = _spell(names, "eight", layers)
+    if not isinstance(layers, (tuple, list)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                        for i in layers) or len(set(layers)) != len(layers):  # fmt: skip
+        raise ValueError(f"{eight} must be distinct layer indices >= 0, such as {_spell(names, 'eight', (18,))}")
+    if kv_bits is None or max(key_value_bits(kv_bits)) >= 8:
+        raise ValueError(f"{eight} needs the other layers under 8 bits, such as {_spell(names, 'kv_bits', (5, 3))}")
+
+
 @dataclass(frozen=True)
 class KVStorage:
     """The storage of an evicting cache (frozen; validated when made).
@@ -191,6 +207,8 @@ class KVStorage:
         low_bits: with ``key_group``, precision tiers (:class:`~mlxevict.tiered_storage.TieredStorage`):
             entries leave the window in ``kv_bits``, and the policy's lowest-scored are demoted to these
             ``(key bits, value bits)`` before any is evicted; ``None``: one tier.
+        eight_bit_layers: layers stored in 8 bits instead (:attr:`eight_bit`, the same budget in tokens):
+            the layers a model's low-bit storage hurts most (:mod:`mlxevict.calibrate`). Default none.
 
     Raises:
         ValueError: a combination that cannot work (see :func:`check`).
@@ -204,6 +222,7 @@ class KVStorage:
     rotate: Optional[bool] = None
     key_group: Optional[int] = None
     low_bits: Optional[tuple[int, int]] = None
+    eight_bit_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.key_bits is None) != (self.value_bits is None):
@@ -211,7 +230,7 @@ class KVStorage:
         bits = self.kv_bits
         group = self.group_size if bits else None
         check(bits, group, self.full_precision_window, self.window_bits, key_group=self.key_group,
-              low_bits=self.low_bits)
+              low_bits=self.low_bits, eight_bit_layers=self.eight_bit_layers)
         if bits is None:
             object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE)  # unused: one value for "the dtype"
 
@@ -227,15 +246,18 @@ class KVStorage:
         *,
         key_group: Optional[int] = None,
         low_bits: Optional[KVBits] = None,
+        eight_bit_layers: Any = (),
         names: Mapping[str, str] = API,
     ) -> "KVStorage":
         """From ``make_cache``'s storage arguments (``names=FLAGS``: the CLI's values, errors name flags)."""
+        eight_bit_layers = tuple(eight_bit_layers or ())
         check(kv_bits, group_size, full_precision_window, window_bits, key_group=key_group, low_bits=low_bits,
-              names=names)
+              eight_bit_layers=eight_bit_layers, names=names)
         key_bits, value_bits = (None, None) if kv_bits is None else key_value_bits(kv_bits)
         group = group_size or DEFAULT_GROUP_SIZE
         low = None if low_bits is None else key_value_bits(low_bits)
-        return cls(key_bits, value_bits, group, window_bits, full_precision_window, rotate, key_group, low)
+        return cls(key_bits, value_bits, group, window_bits, full_precision_window, rotate, key_group, low,
+                   tuple(sorted(eight_bit_layers)))
 
     @classmethod
     def from_options(cls, **options: Any) -> "KVStorage":
@@ -251,6 +273,7 @@ class KVStorage:
             options.get("kv_rotate"),
             key_group=options.get("key_group"),
             low_bits=options.get("low_bits"),
+            eight_bit_layers=options.get("eight_bit_layers") or (),
         )
 
     @classmethod
@@ -262,20 +285,23 @@ class KVStorage:
         window_bits: Optional[int] = None,
         key_group: Optional[int] = None,
         low_bits: Optional[str] = None,
+        eight_bit_layers: Optional[str] = None,
     ) -> "KVStorage":
         """From the flags: ``--kv-bits`` text (``8``, ``4``, ``5,3`` or ``none``) and the others' values
-        (``--low-bits`` text such as ``3,2``)."""
+        (``--low-bits`` text such as ``3,2``, ``--eight-bit-layers`` text such as ``18,20``)."""
         bits = parse_bits(text)
         low = None if low_bits is None else parse_bits(low_bits)
+        eight = parse_layers(eight_bit_layers) if eight_bit_layers else ()
         return cls.of(bits, group_size, full_precision_window, window_bits, key_group=key_group, low_bits=low,
-                      names=FLAGS)
+                      eight_bit_layers=eight, names=FLAGS)
 
     @classmethod
     def from_suffix(cls, suffix: str) -> "KVStorage":
         """From a benchmark suffix: ``""``, ``":q8"``, ``":q4w8"``, ``":k5v3w8"``, ``":k5v3w8c64"`` (keys per
         channel over 64 tokens), ``":k5v3w8c64l32"`` (and a low tier: keys in 3 bits, values in 2); group
-        size 64."""
+        size 64; ``e18.20`` at the end stores layers 18 and 20 in 8 bits."""
         text = suffix.removeprefix(":")
+        text, _, eight = text.partition("e")
         text, _, channel = text.partition("c")
         channel, _, low = channel.partition("l")
         window = 8 if text.endswith("w8") else None
@@ -289,7 +315,9 @@ class KVStorage:
                 key, value = text.removeprefix("k").split("v")
                 bits = (int(key), int(value))
             low_bits = (int(low[0]), int(low[1:])) if low else None
-            return cls.of(bits, window_bits=window, key_group=int(channel) if channel else None, low_bits=low_bits)
+            layers = tuple(int(i) for i in eight.split(".")) if eight else ()
+            return cls.of(bits, window_bits=window, key_group=int(channel) if channel else None, low_bits=low_bits,
+                          eight_bit_layers=layers)
         except (ValueError, IndexError):
             known = ":q8, :q4, :q4w8, :k5v3w8, :k5v3w8c64 or :k5v3w8c64l32"
             raise ValueError(f"{suffix!r} is not a storage suffix; use {known}") from None
@@ -312,7 +340,9 @@ class KVStorage:
         if not self.quantized:
             return "model dtype"
         low = f", {bits_label(self.low_bits)} below" if self.low_bits else ""
-        return bits_label(self.kv_bits) + (f" KIVI-{self.key_group}" if self.key_group else "") + low
+        eight = self.eight_bit_layers
+        eight_text = f", layer{'s' if len(eight) > 1 else ''} {', '.join(map(str, eight))} in 8 bits" if eight else ""
+        return bits_label(self.kv_bits) + (f" KIVI-{self.key_group}" if self.key_group else "") + low + eight_text
 
     @property
     def bits_text(self) -> str:
@@ -335,6 +365,8 @@ class KVStorage:
             parts.append(_spell(FLAGS, "key_group", self.key_group))
         if self.low_bits is not None:
             parts.append(_spell(FLAGS, "low_bits", self.low_bits))
+        if self.eight_bit_layers:
+            parts.append(_spell(FLAGS, "eight", self.eight_bit_layers))
         return " ".join(parts)
 
     @property
@@ -344,7 +376,8 @@ class KVStorage:
             return ""
         bits = f"q{self.key_bits}" if self.key_bits == self.value_bits else f"k{self.key_bits}v{self.value_bits}"
         low = f"l{self.low_bits[0]}{self.low_bits[1]}" if self.low_bits else ""
-        return f":{bits}{'w8' if self.window_bits else ''}{f'c{self.key_group}' if self.key_group else ''}{low}"
+        eight = f"e{'.'.join(map(str, self.eight_bit_layers))}" if self.eight_bit_layers else ""
+        return f":{bits}{'w8' if self.window_bits else ''}{f'c{self.key_group}' if self.key_group else ''}{low}{eight}"
 
     def options(self) -> dict[str, Any]:
         """``make_cache``'s (and ``QuantizedEvictingKVCache``'s) storage arguments; ``{}`` for the dtype."""
@@ -359,7 +392,24 @@ class KVStorage:
         )
         if self.low_bits:
             options["low_bits"] = self.low_bits
+        if self.eight_bit_layers:
+            options["eight_bit_layers"] = self.eight_bit_layers
         return {**options, "key_group": self.key_group} if self.key_group else options
+
+    @property
+    def eight_bit(self) -> "KVStorage":
+        """The storage of :attr:`eight_bit_layers`: 8 bits per token, no window apart (mlx-lm's 8-bit cache)."""
+        return KVStorage.of(8, self.group_size, full_precision_window=0)
+
+    @property
+    def uniform(self) -> "KVStorage":
+        """The other layers' storage: this one without :attr:`eight_bit_layers`."""
+        return replace(self, eight_bit_layers=())
+
+    def layer_groups(self, layers: int) -> list[tuple[int, "KVStorage"]]:
+        """``[(layer count, storage)]`` over a model's ``layers``: the uniform layers, then the 8-bit ones."""
+        eight = sum(1 for i in self.eight_bit_layers if i < layers)
+        return [(n, s) for n, s in ((layers - eight, self.uniform), (eight, self.eight_bit)) if n]
 
     def with_window(self, full_precision_window: Optional[int]) -> "KVStorage":
         return replace(self, full_precision_window=full_precision_window)
@@ -397,6 +447,20 @@ class KVStorage:
     def held_extra(self) -> int:
         """Tokens held at the window's size beyond the window: an unfinished key group (keys per channel)."""
         return self.key_group or 0
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """``--eight-bit-layers`` text: ``"18,20"`` → ``(18, 20)``; ``"none"`` or ``""`` → ``()``.
+
+    Raises:
+        ValueError: not layer numbers.
+    """
+    if text.strip().lower() in (NONE, ""):
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--eight-bit-layers {text} is not layer numbers; write them like 18,20") from None
 
 
 def parse_bits(text: str) -> Optional[KVBits]:

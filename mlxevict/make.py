@@ -34,6 +34,8 @@ def make_cache(
     window_bits: int | None = None,
     key_group: int | None = None,
     low_bits: KVBits | None = None,
+    eight_bit_layers: Sequence[int] | None = None,
+    expected_tokens: int | None = None,
     **policy_kwargs: Any,
 ) -> list[EvictingKVCache]:
     """Patch ``model`` and build one :class:`EvictingKVCache` per layer.
@@ -74,6 +76,13 @@ def make_cache(
         low_bits: with ``key_group``, precision tiers (:class:`~mlxevict.tiered_storage.TieredStorage`):
             the policy's lowest-ranked entries are demoted to these ``(key bits, value bits)`` (such as
             ``(3, 2)``) before any is evicted, and the budget counts entries at these bits. Default ``None``.
+        eight_bit_layers: these layers store their entries in 8 bits, the others in ``kv_bits`` (under 8;
+            the same budget in tokens, a memory budget counts their bytes): the layers low-bit storage hurts
+            most, found by :func:`mlxevict.calibrate.calibrate` (``mlxevict calibrate``). Default ``None``:
+            with ``kv_bits`` none; without it, when a budget in memory picks precision tiers, the model's
+            calibration's layers (if it was calibrated) when the budget is at least a fifth of a 16-bit full
+            cache of ``expected_tokens``; ``()``: none.
+        expected_tokens: the tokens the cache will see, prompt and answer (``None``: the model's context).
 
     Returns:
         A list with one cache per layer.
@@ -85,29 +94,33 @@ def make_cache(
     check_supported(model)  # before anything reads the model's geometry
     given = KVStorage.of(
         kv_bits, kv_group_size if kv_bits is not None else None, full_precision_window, window_bits, kv_rotate,
-        key_group=key_group, low_bits=low_bits,
+        key_group=key_group, low_bits=low_bits, eight_bit_layers=eight_bit_layers if kv_bits is not None else (),
     )  # fmt: skip
     # Without kv_bits the planner chooses: the dtype for tokens, its memory rule for a budget in memory.
-    plan = plan_cache(model, budget, given if given.quantized else None)
+    plan = plan_cache(model, budget, given if given.quantized else None, eight_bit_layers=eight_bit_layers,
+                      expected_tokens=expected_tokens)  # fmt: skip
     for note in plan.notes:
         warnings.warn(note, stacklevel=2)
-    storage = plan.storage
-    cls = QuantizedEvictingKVCache if storage.quantized else EvictingKVCache
     options: dict[str, Any] = dict(sinks=sinks, window=window, slack=slack, prompt_mode=prompt_mode, pinned=pinned)
-    budget = plan.tokens
-    if storage.key_group:
-        caches = [
-            EvictingKVCache(policy, budget, storage=channel_storage(storage, budget), **options, **policy_kwargs)
-            for _ in model.layers
-        ]
-    else:
-        options.update(storage.options())
-        caches = [cls(policy, budget, **options, **policy_kwargs) for _ in model.layers]
+    eight = plan.storage.eight_bit_layers
+    if eight and max(eight) >= len(model.layers):
+        raise ValueError(f"eight_bit_layers={eight!r}: the model has layers 0 to {len(model.layers) - 1}")
+    layer_storage = {i: plan.storage.eight_bit if i in eight else plan.storage.uniform for i in range(len(model.layers))}
+    caches = [layer_cache(policy, plan.tokens, layer_storage[i], options, policy_kwargs) for i in range(len(model.layers))]
     patch(model)
     shard = model_shard(model)  # a sharded model's caches hold its block of heads
     for cache in caches:
         cache.shard = shard
     return caches
+
+
+def layer_cache(policy: str, budget: int, storage: KVStorage, options: dict[str, Any],
+                policy_kwargs: dict[str, Any]) -> EvictingKVCache:  # fmt: skip
+    """One layer's cache of ``budget`` entries in ``storage`` (one without :attr:`~KVStorage.eight_bit_layers`)."""
+    if storage.key_group:
+        return EvictingKVCache(policy, budget, storage=channel_storage(storage, budget), **options, **policy_kwargs)
+    cls = QuantizedEvictingKVCache if storage.quantized else EvictingKVCache
+    return cls(policy, budget, **options, **storage.options(), **policy_kwargs)
 
 
 def channel_storage(storage: KVStorage, budget: int) -> ChannelStorage:

@@ -9,16 +9,22 @@ messages that say so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .budget import BudgetRequest, budget_tokens, parse_budget, storage_nbytes
+import psutil
+
+from .budget import AUTO_FRACTION, BudgetRequest, budget_tokens, parse_budget, storage_nbytes
 from .errors import MlxEvictError
 from .geometry import context_limit, kv_shape
 from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, SPLIT_BITS, KVStorage
 
 KEY_GROUP = 64  # tokens per key scale of the memory rule's per-channel keys (the one measured)
 LOW_BITS = (3, 2)  # the memory rule's low precision tier (docs/tiers.md)
+# A model's calibrated layers go to 8 bits when the budget is at least this share of a 16-bit full cache of the
+# tokens expected: on the tuning half they gained at 25% and lost at 12.5% (docs/tiers.md); between, untested.
+EIGHT_BIT_SHARE = 0.2
 from .policies import make_policy
 from .room import default_slack, default_window, full_window, room_needed
 
@@ -48,7 +54,12 @@ class CachePlan:
 
 
 def memory_storage(
-    request: BudgetRequest, model_or_config: Any, limit: Optional[int] = None, available: Optional[int] = None
+    request: BudgetRequest,
+    model_or_config: Any,
+    limit: Optional[int] = None,
+    available: Optional[int] = None,
+    eight_bit_layers: Sequence[int] = (),
+    expected_tokens: Optional[int] = None,
 ) -> KVStorage:
     """What a budget in memory (or ``auto``) stores when no storage is asked for.
 
@@ -59,7 +70,10 @@ def memory_storage(
     the policy's lowest-ranked entries are demoted to before any is evicted
     (:mod:`mlxevict.tiered_storage`), which the long-context suite's tuning half picked over
     one 5/3 tier at 25% and 12.5% of a 16-bit cache's bytes (docs/tiers.md), unless its 96
-    tokens held in 8 bits would take more than half the budget (then per-token 5/3 bits). Ask
+    tokens held in 8 bits would take more than half the budget (then per-token 5/3 bits); with
+    ``eight_bit_layers`` (a model's :mod:`~mlxevict.calibrate` layers) those layers in 8 bits, the
+    same tokens in every layer, when the budget is at least ``EIGHT_BIT_SHARE`` of a 16-bit full cache of
+    ``expected_tokens`` (default: the model's context) and that still leaves room to evict. Ask
     for ``--kv-bits 5,3 --window-bits 8`` (``--key-group 64``) to keep per-token keys (one
     tier). The dtype when no group size divides the head dim.
 
@@ -68,6 +82,8 @@ def memory_storage(
         model_or_config: the model, or its folder (see :func:`~mlxevict.geometry.kv_shape`).
         limit: the model's context length (``None``: unknown, so 5/3 bits).
         available: free bytes for ``auto`` (default: what the system has now).
+        eight_bit_layers: layers to keep in 8 bits when the rule picks precision tiers.
+        expected_tokens: the tokens the cache will see (prompt and answer), for ``eight_bit_layers``.
     """
     head_dim = kv_shape(model_or_config).head_dim
     group = next((g for g in (DEFAULT_GROUP_SIZE, 32) if head_dim % g == 0), None)
@@ -78,9 +94,39 @@ def memory_storage(
         if limit and budget_tokens(request, model_or_config, storage, available=available) >= limit:
             return storage
     channel = KVStorage.of(SPLIT_BITS, group, window_bits=8, key_group=KEY_GROUP, low_bits=LOW_BITS)
-    tokens = budget_tokens(request, model_or_config, channel, available=available)
-    # Its 8-bit window and unfinished key group (96 tokens) must leave room to evict: at most half the budget.
-    return channel if tokens >= 2 * (default_window(tokens) + KEY_GROUP) else per_token
+    eight = eight_bit_layers and budget_share(request, model_or_config, expected_tokens or limit, available) >= EIGHT_BIT_SHARE
+    for storage in ((replace(channel, eight_bit_layers=tuple(eight_bit_layers)),) if eight else ()) + (channel,):
+        tokens = budget_tokens(request, model_or_config, storage, available=available)
+        # Its 8-bit window and unfinished key group (96 tokens) must leave room to evict: at most half the budget.
+        if tokens >= 2 * (default_window(tokens) + KEY_GROUP):
+            return storage
+    return per_token
+
+
+def budget_share(request: BudgetRequest, model_or_config: Any, tokens: Optional[int], available: Optional[int] = None) -> float:
+    """A budget in memory as a share of a 16-bit full cache of ``tokens`` (0 when ``tokens`` is unknown)."""
+    if not tokens:
+        return 0.0
+    if request.nbytes is not None:
+        nbytes = request.nbytes
+    else:
+        nbytes = int(AUTO_FRACTION * (psutil.virtual_memory().available if available is None else available))
+    return nbytes / (kv_shape(model_or_config, 2).bytes_per_token * tokens)
+
+
+def calibrated_layers(model_or_config: Any) -> tuple[int, ...]:
+    """The layers the calibration of a model or model folder keeps in 8 bits (:mod:`mlxevict.calibrate`); ``()``
+    for none, or for a config (no weights to name it by)."""
+    import mlx.nn as nn
+
+    from .calibrate import find_calibration
+
+    known = isinstance(model_or_config, nn.Module) or (isinstance(model_or_config, (str, Path)) and Path(model_or_config).is_dir())
+    try:
+        found = find_calibration(model_or_config) if known else None
+    except (OSError, ValueError, KeyError, RuntimeError):  # a folder without its weights yet: not calibrated
+        found = None
+    return found.layers if found else ()
 
 
 def protected_room(
@@ -112,6 +158,8 @@ def plan_cache(
     storage: Optional[KVStorage] = None,
     *,
     available: Optional[int] = None,
+    eight_bit_layers: Optional[Sequence[int]] = None,
+    expected_tokens: Optional[int] = None,
 ) -> CachePlan:
     """Tokens and storage for a budget on a model: the one place this is decided.
 
@@ -123,6 +171,10 @@ def plan_cache(
         storage: how to store the entries; ``None``: the model's dtype for a budget in tokens,
             :func:`memory_storage` for one in memory.
         available: free bytes for ``auto``; default what the system has available now.
+        eight_bit_layers: for :func:`memory_storage`'s precision tiers; ``None``: the layers of the model's
+            calibration (:func:`~mlxevict.calibrate.find_calibration`; a model or its folder), else none.
+        expected_tokens: the tokens the cache will see (prompt and answer; ``None``: the model's context),
+            which decides whether ``eight_bit_layers`` are worth their bytes (:func:`memory_storage`).
 
     Returns:
         A :class:`CachePlan`; a budget beyond the model's context is capped there, with a note
@@ -135,8 +187,12 @@ def plan_cache(
     """
     request = parse_budget(budget)
     limit = context_limit(model_or_config)
+    if storage is None and request.tokens is None:
+        if eight_bit_layers is None:
+            eight_bit_layers = calibrated_layers(model_or_config)
+        storage = memory_storage(request, model_or_config, limit, available, eight_bit_layers, expected_tokens)
     if storage is None:
-        storage = DTYPE if request.tokens is not None else memory_storage(request, model_or_config, limit, available)
+        storage = DTYPE
     shape = kv_shape(model_or_config)
     storage.check_head_dim(shape.head_dim)
     tokens = budget_tokens(request, model_or_config, storage, available=available, context_limit=limit)

@@ -24,6 +24,9 @@ STORAGES = {
     "5/3-bit, 8-bit window": dict(kv_bits=(5, 3), kv_group_size=GROUP, window_bits=8),
     "keys per channel": dict(kv_bits=(5, 3), kv_group_size=GROUP, window_bits=8, key_group=64),
     "precision tiers": dict(kv_bits=(5, 3), kv_group_size=GROUP, window_bits=8, key_group=64, low_bits=(3, 2)),
+    "precision tiers, a layer in 8 bits": dict(
+        kv_bits=(5, 3), kv_group_size=GROUP, window_bits=8, key_group=64, low_bits=(3, 2), eight_bit_layers=(1,)
+    ),
     "compress": dict(prompt_mode="compress"),
 }
 # A prompt, then chunks and single steps: 10 lengths from 60 to 1,565 tokens.

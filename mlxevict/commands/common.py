@@ -12,7 +12,7 @@ from ..chat_session import STORAGE_KEYS  # noqa: F401 (make_cache's storage argu
 from ..errors import MlxEvictError
 from ..events import Finished
 from ..launch import RankStats, launched, load_sharded, rank_line
-from ..kvstorage import FLAGS, NONE, KVStorage, bits_label, parse_bits
+from ..kvstorage import FLAGS, NONE, KVStorage, bits_label, parse_bits, parse_layers
 from ..make import make_cache
 from ..memory import format_bytes
 from ..plan import CachePlan, plan_cache
@@ -49,20 +49,24 @@ def storage_flags(args: argparse.Namespace) -> Optional[KVStorage]:
     """The storage the flags ask for (checked, errors naming the flags); ``None``: the planner's rule."""
     flags = (args.kv_group_size, args.fp_window, args.window_bits)
     key_group, low = getattr(args, "key_group", None), getattr(args, "low_bits", None)
-    if args.kv_bits is None and all(value is None for value in (*flags, key_group, low)):
+    eight = getattr(args, "eight_bit_layers", None)
+    if args.kv_bits is None and all(value is None for value in (*flags, key_group, low, eight)):
         return None
     bits = None if args.kv_bits in (None, KV_BITS_NONE) else args.kv_bits
     try:
         low_bits = None if low is None else parse_bits(low)
-        return KVStorage.of(bits, *flags, key_group=key_group, low_bits=low_bits, names=FLAGS)
+        layers = parse_layers(eight) if eight else ()
+        return KVStorage.of(bits, *flags, key_group=key_group, low_bits=low_bits, eight_bit_layers=layers, names=FLAGS)
     except ValueError as err:
         raise MlxEvictError(str(err)) from None
 
 
-def plan_budget(model: Any, request: BudgetRequest, storage: Optional[KVStorage] = None) -> CachePlan:
+def plan_budget(
+    model: Any, request: BudgetRequest, storage: Optional[KVStorage] = None, expected_tokens: Optional[int] = None
+) -> CachePlan:
     """:func:`~mlxevict.plan.plan_cache` with CLI wording: its notes told on stderr, its errors one line."""
     try:
-        plan = plan_cache(model, request, storage)
+        plan = plan_cache(model, request, storage, expected_tokens=expected_tokens)
     except ValueError as err:
         raise MlxEvictError(str(err)) from None
     for note in plan.notes:
@@ -90,9 +94,12 @@ def cache_storage(args: argparse.Namespace, request: BudgetRequest, model: Any) 
     return {} if storage is None else storage.options()
 
 
-def build_caches(model: Any, args: argparse.Namespace, request: BudgetRequest) -> list:
-    """``make_cache`` from the command line's options, with CLI wording on errors."""
-    plan = plan_budget(model, request, storage_flags(args))
+def build_caches(
+    model: Any, args: argparse.Namespace, request: BudgetRequest, expected_tokens: Optional[int] = None
+) -> list:
+    """``make_cache`` from the command line's options, with CLI wording on errors (``expected_tokens``: the
+    prompt's and the answer's, when known)."""
+    plan = plan_budget(model, request, storage_flags(args), expected_tokens)
     try:
         return make_cache(
             model, args.policy, plan.tokens, sinks=args.sinks, window=args.window, **plan.storage.options()

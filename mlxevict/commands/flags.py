@@ -60,7 +60,8 @@ kv_bits_option.__name__ = "kv_bits"  # argparse names the type in "invalid kv_bi
 
 def add_cache_options(parser: argparse.ArgumentParser) -> None:
     """``--policy``, ``--budget`` (or mlx-lm's ``--max-kv-size``), ``--window``, ``--sinks`` and the storage:
-    ``--kv-bits``, ``--kv-group-size``, ``--fp-window``, ``--window-bits``, ``--key-group``, ``--low-bits``."""
+    ``--kv-bits``, ``--kv-group-size``, ``--fp-window``, ``--window-bits``, ``--key-group``, ``--low-bits``,
+    ``--eight-bit-layers``."""
     group = parser.add_argument_group("KV cache")
     group.add_argument(
         "--policy", default="default", choices=policy_names(), help="eviction policy (default: %(default)s)"
@@ -134,6 +135,13 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
         metavar="K,V",
         help="with --key-group: precision tiers; the entries the policy ranks lowest are cut to these key and "
         "value bits (such as 3,2) before any is evicted, and a --budget counts entries at these bits",
+    )
+    group.add_argument(
+        "--eight-bit-layers",
+        default=None,
+        metavar="L,L",
+        help="with --kv-bits under 8: store these layers (such as 18) in 8 bits, the same tokens as the others; "
+        "a --budget in memory without --kv-bits uses the layers `mlxevict calibrate` found for the model",
     )
 
 

@@ -139,8 +139,9 @@ def run_generate(args: argparse.Namespace) -> int:
     storage_flags(args)  # bad storage options fail before a model loads
     prompt = read_prompt(args)
     resolved, model, tokenizer = load(args)
+    ids = prompt_ids(args, tokenizer, prompt, cached=saved is not None)
     if saved is None:
-        caches = build_caches(model, args, request)
+        caches = build_caches(model, args, request, expected_tokens=len(ids) + args.max_tokens)
     else:
         caches = saved[0]
         check_model(saved[1], resolved, args.prompt_cache_file)
@@ -155,7 +156,7 @@ def run_generate(args: argparse.Namespace) -> int:
     events = stream_events(
         model,
         tokenizer,
-        prompt_ids(args, tokenizer, prompt, cached=saved is not None),
+        ids,
         caches=caches,
         max_tokens=args.max_tokens,
         seed=args.seed,

@@ -166,12 +166,26 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "saved_fraction": (full - held) / full if full else 0.0,
         "auto_kv_nbytes": int(free * AUTO_FRACTION),
         "storage_modes": storage_modes(shape, int(free * AUTO_FRACTION)),
+        "calibrated_layers": _calibrated(resolved.path, weights_note),
         "openblas": openblas_loaded() if openblas_library() else None,
         "hosts": _hosts(args, config, weights, per_token, memory.total),
     }
     if family:
         result["family"] = family_plan(memory.total, memory.available, args.budget)
     return result
+
+
+def _calibrated(path: Any, weights_note: str) -> Optional[list[int]]:
+    """The layers ``mlxevict calibrate`` keeps in 8 bits for this model; ``None``: not calibrated (or no weights)."""
+    from ..calibrate import find_calibration
+
+    if weights_note != "on disk":
+        return None
+    try:
+        found = find_calibration(path)
+    except (OSError, ValueError, KeyError, RuntimeError):
+        return None
+    return None if found is None else list(found.layers)
 
 
 def _k(n: int) -> str:
@@ -219,6 +233,12 @@ def render(p: dict[str, Any]) -> str:
             "              (quantized caches keep the newest --fp-window tokens in full precision too, "
             "or in 8 bits with --window-bits 8)"
         )
+    layers = p["calibrated_layers"]
+    if layers is None:
+        lines.append("calibration   none: `mlxevict calibrate MODEL` finds the layers a memory budget keeps in 8 bits")
+    else:
+        kept = f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}" if layers else "no layer"
+        lines.append(f"calibration   {kept} in 8 bits when a --budget in memory evicts (mlxevict calibrate)")
     if p["reason"]:
         lines.insert(1, f"chosen        {p['reason']}")
     if p["hosts"]:
