@@ -221,6 +221,16 @@ def _fit(available: int, parts: list[dict[str, Any]], fraction: float = AUTO_FRA
     return max(MIN_AUTO_BUDGET, tokens // 64 * 64)
 
 
+def request_nbytes(request: BudgetRequest, available: Optional[int] = None) -> int:
+    """The KV bytes a budget in memory stands for: its size, or for ``auto`` ``AUTO_FRACTION`` of ``available``
+    (default: what the system has available now)."""
+    if request.nbytes is not None:
+        return request.nbytes
+    if available is None:
+        available = psutil.virtual_memory().available
+    return int(max(0, available) * AUTO_FRACTION)
+
+
 def budget_tokens(
     request: BudgetRequest,
     model_or_config: Any,

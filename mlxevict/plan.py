@@ -13,9 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import psutil
-
-from .budget import AUTO_FRACTION, BudgetRequest, budget_tokens, parse_budget, storage_nbytes
+from .budget import BudgetRequest, budget_tokens, parse_budget, request_nbytes, storage_nbytes
 from .errors import MlxEvictError
 from .geometry import context_limit, kv_shape
 from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, SPLIT_BITS, KVStorage
@@ -107,11 +105,7 @@ def budget_share(request: BudgetRequest, model_or_config: Any, tokens: Optional[
     """A budget in memory as a share of a 16-bit full cache of ``tokens`` (0 when ``tokens`` is unknown)."""
     if not tokens:
         return 0.0
-    if request.nbytes is not None:
-        nbytes = request.nbytes
-    else:
-        nbytes = int(AUTO_FRACTION * (psutil.virtual_memory().available if available is None else available))
-    return nbytes / (kv_shape(model_or_config, 2).bytes_per_token * tokens)
+    return request_nbytes(request, available) / (kv_shape(model_or_config, 2).bytes_per_token * tokens)
 
 
 def calibrated_layers(model_or_config: Any) -> tuple[int, ...]:

@@ -152,3 +152,41 @@ def test_the_calibrate_command_measures_saves_and_shows(tmp_path, cache_home, ca
     assert shown.splitlines()[:3] == out.splitlines()[:3]
     assert main(["calibrate", str(folder), "--tokens", "100"]) == 1
     assert capsys.readouterr().err.strip() == "mlxevict: error: --tokens 100: give at least 512 (the last 256 are scored)"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--eight-bit-layers", "1"], "--eight-bit-layers 1 needs the other layers under 8 bits, such as --kv-bits 5,3"),
+        (["--kv-bits", "5,3", "--eight-bit-layers", "x"], "--eight-bit-layers x is not layer numbers; write them like 18,20"),
+        (["--kv-bits", "5,3", "--window-bits", "8", "--eight-bit-layers", "9"], "the model has layers 0 to 1"),
+    ],
+)
+def test_the_eight_bit_layers_flag_fails_in_one_line(tmp_path, capsys, monkeypatch, flags, message):
+    from model_files import build_tiny_model
+
+    from mlxevict.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = build_tiny_model(tmp_path / "m", layers=2, hidden=128, heads=2, kv_heads=1)
+    assert main(["generate", str(folder), "-p", "hi", "--max-tokens", "2", *flags]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mlxevict: error: ") and message in err and len(err.splitlines()) == 1, err
+
+
+def test_the_eight_bit_layers_flag_stores_that_layer_in_8_bits(tmp_path, capsys, monkeypatch):
+    import json
+
+    from model_files import build_tiny_model
+
+    from mlxevict.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = build_tiny_model(tmp_path / "m", layers=2, hidden=128, heads=2, kv_heads=1)
+    args = ["generate", str(folder), "-p", "hi", "--max-tokens", "40", "--budget", "64", "--json", "--temp", "0"]
+    tiers = ["--kv-bits", "5,3", "--window-bits", "8"]
+    assert main([*args, *tiers]) == 0
+    plain = json.loads(capsys.readouterr().out)["cache"]["nbytes"]
+    assert main([*args, *tiers, "--eight-bit-layers", "1"]) == 0
+    eight = json.loads(capsys.readouterr().out)["cache"]["nbytes"]
+    assert eight > plain  # the same 64 tokens, one layer of two in 8 bits instead of 5/3
