@@ -190,3 +190,17 @@ def test_the_eight_bit_layers_flag_stores_that_layer_in_8_bits(tmp_path, capsys,
     assert main([*args, *tiers, "--eight-bit-layers", "1"]) == 0
     eight = json.loads(capsys.readouterr().out)["cache"]["nbytes"]
     assert eight > plain  # the same 64 tokens, one layer of two in 8 bits instead of 5/3
+
+
+def test_info_says_whether_the_model_is_calibrated(tmp_path, cache_home, capsys, monkeypatch):
+    from model_files import build_tiny_model
+
+    from mlxevict.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = build_tiny_model(tmp_path / "m", layers=2, hidden=128, heads=2, kv_heads=1)
+    assert main(["info", str(folder)]) == 0
+    assert "calibration   none: `mlxevict calibrate MODEL`" in capsys.readouterr().out
+    Calibration((0.1, 0.9), (1,), ":k5v3w8c64", 512, 256, "").save(calibration_path(folder))
+    assert main(["info", str(folder)]) == 0
+    assert "calibration   layer 1 in 8 bits when a --budget in memory evicts" in capsys.readouterr().out
