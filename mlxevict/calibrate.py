@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from .defaults import cache_dir
 from .errors import MlxEvictError
 from .kvstorage import KVStorage
 
@@ -111,8 +112,6 @@ def folder_fingerprint(path: str | Path) -> str:
 
 def calibration_path(model: "nn.Module | str | Path") -> Path:
     """Where ``mlxevict calibrate`` keeps the calibration of this model (or model folder)."""
-    from .demo_model import cache_dir
-
     name = fingerprint(model) if isinstance(model, nn.Module) else folder_fingerprint(model)
     return cache_dir() / "calibration" / f"{name}.json"
 

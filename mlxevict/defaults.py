@@ -5,6 +5,8 @@ import them from here, so the command line can print its help without loading
 MLX or mlx-lm.
 """
 
+from pathlib import Path
+
 DEFAULT_BUDGET = 2048
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 32  # at most; never more than budget // 8 unless asked (or the policy says otherwise)
@@ -12,6 +14,15 @@ DEFAULT_GROUP_SIZE = 64  # mlx-lm's --kv-group-size default
 DEFAULT_MAX_TOKENS = 4096
 FAMILY_NAME = "mlx-community/DeepSeek-R1-Distill"
 LAUNCH_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # set by mlx.launch (ring) or mpirun
+CACHE_ENV = "MLXEVICT_CACHE"
+
+
+def cache_dir() -> Path:
+    """The mlxevict cache (the demo model, GGUF conversions, calibrations): ``$MLXEVICT_CACHE``, else
+    ``~/.cache/mlxevict``."""
+    import os
+
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mlxevict").expanduser()
 
 
 def started_by_launcher() -> bool:

