@@ -80,7 +80,7 @@ def make_cache(
             the same budget in tokens, a memory budget counts their bytes): the layers low-bit storage hurts
             most, found by :func:`mlxevict.calibrate.calibrate` (``mlxevict calibrate``). Default ``None``:
             with ``kv_bits`` none; without it, when a budget in memory picks precision tiers, the model's
-            calibration's layers (if it was calibrated) when the budget is at least a fifth of a 16-bit full
+            calibration's layers (if it was calibrated) when the budget is at least 18% of a 16-bit full
             cache of ``expected_tokens``; ``()``: none.
         expected_tokens: the tokens the cache will see, prompt and answer (``None``: the model's context).
 

@@ -21,8 +21,8 @@ from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, SPLIT_BITS, KVStorage
 KEY_GROUP = 64  # tokens per key scale of the memory rule's per-channel keys (the one measured)
 LOW_BITS = (3, 2)  # the memory rule's low precision tier (docs/tiers.md)
 # A model's calibrated layers go to 8 bits when the budget is at least this share of a 16-bit full cache of the
-# tokens expected: on the tuning half they gained at 25% and lost at 12.5% (docs/tiers.md); between, untested.
-EIGHT_BIT_SHARE = 0.2
+# tokens expected: on the tuning half they gained at 25% and 18.75%, lost at 15.6% and 12.5% (docs/tiers.md).
+EIGHT_BIT_SHARE = 0.18
 from .policies import make_policy
 from .room import default_slack, default_window, full_window, room_needed
 

@@ -102,7 +102,7 @@ def test_a_memory_budget_keeps_the_calibrated_layer_in_8_bits_at_the_same_bytes(
     assert plan.storage.eight_bit_layers == (2,) and "layer 2 in 8 bits" in plan.storage.label
     plain = plan_cache(model, budget, eight_bit_layers=(), expected_tokens=600)
     assert plain.storage.eight_bit_layers == () and plan.tokens < plain.tokens  # the 8-bit layer's bytes are counted
-    # Below a fifth of the full cache the bytes go to tokens instead (the layer lost there on the tuning half).
+    # Below 18% of the full cache the bytes go to tokens instead (the layer lost there on the tuning half).
     assert plan_cache(model, budget, expected_tokens=1200).storage == plain.storage
     assert plan_cache(model, budget).storage == plain.storage  # expected: the model's context, 8,192 tokens
     caches = make_cache(model, "default", budget, expected_tokens=600)

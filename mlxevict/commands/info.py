@@ -238,7 +238,7 @@ def render(p: dict[str, Any]) -> str:
         lines.append("calibration   none: `mlxevict calibrate MODEL` finds the layers a memory budget keeps in 8 bits")
     else:
         kept = f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}" if layers else "no layer"
-        lines.append(f"calibration   {kept} in 8 bits when a --budget in memory evicts and is at least a fifth of a "
+        lines.append(f"calibration   {kept} in 8 bits when a --budget in memory evicts and is at least 18% of a "
                      "16-bit full cache of the tokens expected (mlxevict calibrate)")
     if p["reason"]:
         lines.insert(1, f"chosen        {p['reason']}")
