@@ -140,12 +140,9 @@ def tokens_within(
     ``min(32, budget // 8)``) at ``window_bytes_per_token`` (the model's dtype or
     8 bits), so they are counted at that size; ``None``: every token costs the same.
     """
-    tokens = max(0, nbytes) // max(1, bytes_per_token)
-    # The window costs at most a few dozen tokens more.
-    costs = (bytes_per_token, window_bytes_per_token, full_precision_window, held_extra, fixed)
-    while tokens > 0 and held_nbytes(tokens, *costs) > nbytes:
-        tokens -= 1
-    return tokens
+    costs = dict(bytes_per_token=bytes_per_token, window_bytes_per_token=window_bytes_per_token,
+                 full_precision_window=full_precision_window, held_extra=held_extra, fixed=fixed)  # fmt: skip
+    return _within(nbytes, [costs])
 
 
 def storage_nbytes(model_or_config: Any, tokens: int, storage: KVStorage = DTYPE) -> int:
@@ -165,9 +162,8 @@ def _held(tokens: int, parts: list[dict[str, Any]]) -> int:
 
 def _within(nbytes: int, parts: list[dict[str, Any]]) -> int:
     """:func:`tokens_within` over every group of layers: the most tokens (the same in each) whose KV fits."""
-    if len(parts) == 1:
-        return tokens_within(nbytes, **parts[0])
     tokens = max(0, nbytes) // max(1, sum(c["bytes_per_token"] for c in parts))
+    # Windows cost at most a few dozen tokens more.
     while tokens > 0 and _held(tokens, parts) > nbytes:
         tokens -= 1
     return tokens

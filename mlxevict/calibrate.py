@@ -126,6 +126,18 @@ def find_calibration(model: "nn.Module | str | Path") -> Optional[Calibration]:
     return None
 
 
+def saved_calibration(model_or_config: Any) -> Optional[Calibration]:
+    """:func:`find_calibration` of a loaded model or a model folder; ``None`` for a config (no weights to name it
+    by), a folder whose weights cannot be read (not downloaded yet), or an unreadable calibration file."""
+    known = isinstance(model_or_config, nn.Module) or (
+        isinstance(model_or_config, (str, Path)) and Path(model_or_config).is_dir()
+    )
+    try:
+        return find_calibration(model_or_config) if known else None
+    except (OSError, ValueError, KeyError, RuntimeError):  # MlxEvictError is a ValueError
+        return None
+
+
 def _stream(model: nn.Module, caches: list[Any], tokens: mx.array, scored: int) -> mx.array:
     """Log-probabilities of the last ``scored`` positions, ``tokens`` fed in ``CHUNK``-token calls."""
     L = tokens.shape[1]

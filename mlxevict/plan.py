@@ -10,7 +10,6 @@ messages that say so.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .budget import BudgetRequest, budget_tokens, parse_budget, request_nbytes, storage_nbytes
@@ -111,15 +110,9 @@ def budget_share(request: BudgetRequest, model_or_config: Any, tokens: Optional[
 def calibrated_layers(model_or_config: Any) -> tuple[int, ...]:
     """The layers the calibration of a model or model folder keeps in 8 bits (:mod:`mlxevict.calibrate`); ``()``
     for none, or for a config (no weights to name it by)."""
-    import mlx.nn as nn
+    from .calibrate import saved_calibration
 
-    from .calibrate import find_calibration
-
-    known = isinstance(model_or_config, nn.Module) or (isinstance(model_or_config, (str, Path)) and Path(model_or_config).is_dir())
-    try:
-        found = find_calibration(model_or_config) if known else None
-    except (OSError, ValueError, KeyError, RuntimeError):  # a folder without its weights yet: not calibrated
-        found = None
+    found = saved_calibration(model_or_config)
     return found.layers if found else ()
 
 

@@ -177,14 +177,9 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
 
 def _calibrated(path: Any, weights_note: str) -> Optional[list[int]]:
     """The layers ``mlxevict calibrate`` keeps in 8 bits for this model; ``None``: not calibrated (or no weights)."""
-    from ..calibrate import find_calibration
+    from ..calibrate import saved_calibration
 
-    if weights_note != "on disk":
-        return None
-    try:
-        found = find_calibration(path)
-    except (OSError, ValueError, KeyError, RuntimeError):
-        return None
+    found = saved_calibration(path) if weights_note == "on disk" else None
     return None if found is None else list(found.layers)
 
 
