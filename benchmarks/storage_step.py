@@ -15,6 +15,8 @@ speed target's reference (its write and its attention, as ``mlx_lm.models.base``
 from __future__ import annotations
 
 import argparse
+import io
+import re
 import time
 
 import mlx.core as mx
@@ -88,6 +90,26 @@ def step_ms(caches: dict, queries: mx.array, keys: mx.array, attend: bool, round
     return {name: 1e3 * t / ((rounds - 1) * steps) for name, t in total.items()}
 
 
+def _arrays(tree) -> list[mx.array]:
+    """The arrays in nested lists and tuples (a storage's ``arrays()`` may hold ``None``)."""
+    if isinstance(tree, mx.array):
+        return [tree]
+    return [a for x in tree or () for a in _arrays(x)] if isinstance(tree, (list, tuple)) else []
+
+
+def step_nodes(cache, queries: mx.array, keys: mx.array) -> int:
+    """Graph nodes one step (write and attention) builds for MLX to run: on the CPU each costs a few microseconds
+    whatever its size, which at a 135M model's shapes is most of a cache's share of a decode step."""
+    k, v = cache.update_and_fetch(keys, keys)
+    out = (cache if isinstance(cache, MlxLmQ4) else cache.storage).attend(queries, k, v, 0.125, None)
+    held = [cache.cache.keys, cache.cache.values] if isinstance(cache, MlxLmQ4) else cache.storage.arrays()
+    dot = io.StringIO()
+    mx.export_to_dot(dot, out, *_arrays(held))
+    nodes = len(re.findall(r'label ="', dot.getvalue()))
+    mx.eval(out, held)
+    return nodes
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxevict.benchmarks.storage_step", description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=int, default=256, help="at least 152 (keys per channel hold 96 tokens)")
@@ -97,14 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     heads, query_heads, dim = 3, 9, 64
     queries, keys = mx.random.normal((1, query_heads, 1, dim)), mx.random.normal((1, heads, 1, dim))
     print(f"ms per step and layer (budget {args.budget}, {args.rounds - 1} rounds x {args.steps} steps)")
-    print("| storage | write | write + attention |\n|---|---|---|")
+    print("| storage | write | write + attention | graph nodes of a step |\n|---|---|---|---|")
     results = {}
     for attend in (False, True):
         caches = {name: filled_cache(args.budget, heads, dim, **storage) for name, storage in MODES.items()}
         caches[MLX_LM_Q4] = MlxLmQ4(2 * args.budget, heads, dim)
         results[attend] = step_ms(caches, queries, keys, attend, args.rounds, args.steps)
+    nodes = {name: step_nodes(cache, queries, keys) for name, cache in caches.items()}
     for name in (*MODES, MLX_LM_Q4):
-        print(f"| {name} | {results[False][name]:.2f} | {results[True][name]:.2f} |")
+        print(f"| {name} | {results[False][name]:.2f} | {results[True][name]:.2f} | {nodes[name]} |")
     return 0
 
 

@@ -26,28 +26,8 @@ import mlx.core as mx
 from .channel_codes import channel_dequantize, channel_dequantize_compiled, token_dequantize, token_dequantize_compiled
 
 
-def channel_scores(queries: mx.array, codes: mx.array, rows: mx.array, scales: mx.array, biases: mx.array,
-                   bits: int, dequantize=channel_dequantize) -> mx.array:  # fmt: skip
-    """``q·k`` of one query per head over the keys quantized per channel.
-
-    Args:
-        queries: ``(B, H, G, 1, D)``, already scaled.
-        codes: ``(B, H, N, D·bits/32)`` bit planes; rows: ``(B, H, N)`` each slot's table row.
-        scales, biases: ``(B, H, T, D)`` the table.
-        bits: the keys' bits.
-        dequantize: :func:`~mlxevict.channel_codes.channel_dequantize` or its compiled twin.
-
-    Returns:
-        ``(B, H, G, 1, N)``, in the queries' dtype.
-    """
-    k = dequantize(codes, rows, scales, biases, bits).astype(queries.dtype)  # B, H, N, D
-    return queries @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # B, H, G, 1, N
-
-
 def _qmm(x: mx.array, entries: tuple[mx.array, ...], transpose: bool, group_size: int, bits: int) -> mx.array:
-    return mx.quantized_matmul(
-        x, *(mx.expand_dims(e, 2) for e in entries), transpose=transpose, group_size=group_size, bits=bits
-    )
+    return mx.quantized_matmul(x, *entries, transpose=transpose, group_size=group_size, bits=bits)
 
 
 def channel_decode_attention(
@@ -80,27 +60,27 @@ def channel_decode_attention(
 
     Returns:
         ``(B, H*G, 1, Dv)`` in the queries' dtype.
+
+    The parts' keys (and values) are dequantized and joined into one ``(B, H, N, ·)`` array, so one
+    matmul reads them all; the queries are ``(B, H, G, D)``, the ``G`` query heads of a kv-head as the
+    rows of its matmuls. On the CPU each graph node costs a few microseconds whatever its size, so
+    fewer nodes is most of what makes a decode step fast here (docs/tiers.md, "Decode speed").
     """
     (key_parts, held_keys), (value_parts, held_values) = keys, values
     part_bits, held_bits = bits
     live = [i for i, part in enumerate(key_parts) if part[0].shape[2] > 0]  # parts without slots are skipped
     B, HG, _, D = queries.shape
     H = held_keys[0].shape[1]
-    q = (queries * scale).reshape(B, H, HG // H, 1, D)  # B, H, G, 1, D
-    if rotation is not None:
-        rotation = rotation.astype(q.dtype)
+    q = (queries * scale).reshape(B, H, HG // H, D)  # B, H, G, D
     q_held = q @ rotation if held_rotated else q
     # At least one part has slots (decodes_here).
-    part_scores = [channel_scores(q, *key_parts[i], part_bits[i][0], dequantize[0]) for i in live]  # B, H, G, 1, N_i
-    scores = mx.concatenate([*part_scores, _qmm(q_held, held_keys, True, group_size, held_bits)], axis=-1)
-    probs = mx.softmax(scores, axis=-1, precise=True)
-    out, first = None, 0
-    for i, s in zip(live, part_scores):
-        n = s.shape[-1]
-        dense_values = dequantize[1](*value_parts[i], part_bits[i][1], group_size).astype(q.dtype)  # B, H, N_i, Dv
-        part = probs[..., first : first + n] @ mx.expand_dims(dense_values, 2)  # B, H, G, 1, Dv
-        out, first = part if out is None else out + part, first + n
-    held_out = _qmm(probs[..., first:], held_values, False, group_size, held_bits)
+    dense_keys = _joined([dequantize[0](*key_parts[i], part_bits[i][0]) for i in live]).astype(q.dtype)  # B, H, N, D
+    n = dense_keys.shape[2]
+    scores = mx.concatenate([q @ dense_keys.swapaxes(-1, -2), _qmm(q_held, held_keys, True, group_size, held_bits)], -1)
+    probs = mx.softmax(scores, axis=-1, precise=True)  # B, H, G, N + F
+    dense_values = _joined([dequantize[1](*value_parts[i], part_bits[i][1], group_size) for i in live])
+    out = probs[..., :n] @ dense_values.astype(q.dtype)  # B, H, G, Dv
+    held_out = _qmm(probs[..., n:], held_values, False, group_size, held_bits)
     if rotation is None:
         out = out + held_out
     elif held_rotated:
@@ -108,6 +88,11 @@ def channel_decode_attention(
     else:
         out = out @ rotation.T + held_out
     return out.reshape(B, HG, 1, -1)
+
+
+def _joined(parts: list[mx.array]) -> mx.array:
+    """``(B, H, N_i, ·)`` parts as one array along the slots."""
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
 
 # The held rows change shape at every step: compiling the whole step would retrace it each time.

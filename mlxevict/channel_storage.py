@@ -42,12 +42,20 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from .channel_attention import channel_decode_attention_fast, decodes_here
-from .channel_codes import WORD, channel_dequantize, channel_quantize, planes_of, table_index, token_dequantize
+from .channel_codes import (
+    WORD,
+    channel_dequantize_compiled,
+    channel_quantize,
+    held_dequantize_compiled,
+    planes_of,
+    table_index,
+    token_dequantize_compiled,
+)
 from .dense_storage import fit_slots
 from .kernels import PROTECTED
 from .kvstorage import DEFAULT_GROUP_SIZE, ROW_RESERVE, KVBits, check, key_value_bits
 from .quantized_storage import quantized_zeros
-from .rotation import rotation_matrix
+from .rotation import rotation_in
 
 HELD_BITS = 8  # the window and the unfinished key group, per token
 DEMOTED = -1e30  # keep-priority of a slot whose group is over the table's rows: above empty slots, below all else
@@ -155,13 +163,13 @@ class ChannelStorage:
         return None
 
     def _value_rotation(self, dtype: mx.Dtype) -> Optional[mx.array]:
-        return rotation_matrix(self.shape[3]).astype(dtype) if self.kv_rotate else None
+        return rotation_in(self.shape[3], dtype) if self.kv_rotate else None
 
     def _held_dense(self, held: tuple[mx.array, ...], n: int) -> mx.array:
         if n == 0:  # mx.dequantize cannot take zero rows
             B, H, _, groups = held[1].shape
             return mx.zeros((B, H, 0, groups * self.kv_group_size), held[1].dtype)
-        return mx.dequantize(*(x[..., :n, :] for x in held), group_size=self.kv_group_size, bits=HELD_BITS)
+        return held_dequantize_compiled(*(x[..., :n, :] for x in held), self.kv_group_size)
 
     # ---- write and read ------------------------------------------------------
     def write(self, keys: mx.array, values: mx.array, start: int) -> None:
@@ -216,7 +224,7 @@ class ChannelStorage:
 
     def _oldest(self, held: tuple[mx.array, ...], fresh: list[mx.array], n_held: int, done: int) -> mx.array:
         """The oldest ``done`` of the ``n_held`` held rows followed by the fresh ones, dequantized."""
-        fresh_rows = mx.dequantize(*fresh, group_size=self.kv_group_size, bits=HELD_BITS)
+        fresh_rows = held_dequantize_compiled(*fresh, self.kv_group_size)
         return mx.concatenate([self._held_dense(held, n_held), fresh_rows], axis=2)[..., :done, :]
 
     def _collect(self, n_quant: int) -> None:
@@ -272,7 +280,7 @@ class ChannelStorage:
         if self.rotate_held:
             held_k = held_k @ self._value_rotation(held_k.dtype).T
         key_parts, _, bits = self._parts(keys, values)
-        dense = [channel_dequantize(*k, b[0]).astype(held_k.dtype) for k, b in zip(key_parts, bits) if k[1].shape[2]]
+        dense = [channel_dequantize_compiled(*k, b[0]).astype(held_k.dtype) for k, b in zip(key_parts, bits) if k[1].shape[2]]
         return mx.concatenate([*dense, held_k], axis=2)
 
     def attend(self, queries, keys, values, scale, mask, sinks=None) -> mx.array:
@@ -292,7 +300,7 @@ class ChannelStorage:
         # Dense keys and values (the values rotated back) and the model's fused attention.
         held_v = self._held_dense(values[1], n_held)
         group = self.kv_group_size
-        parts = [token_dequantize(*v, b[1], group).astype(held_v.dtype) for v, b in zip(value_parts, bits) if v[0].shape[2]]
+        parts = [token_dequantize_compiled(*v, b[1], group).astype(held_v.dtype) for v, b in zip(value_parts, bits) if v[0].shape[2]]
         dense = mx.concatenate(parts, axis=2) if parts else held_v[..., :0, :]
         if self.rotate_held:  # both rotated: rotate back once
             dense_v = mx.concatenate([dense, held_v], axis=2) @ rotation.T

@@ -31,3 +31,12 @@ def rotation_matrix(dim: int) -> mx.array:
         return signs * h / math.sqrt(dim)
     q, _ = mx.linalg.qr(mx.random.normal((dim, dim), key=key), stream=mx.cpu)
     return q
+
+
+@lru_cache(maxsize=16)
+def rotation_in(dim: int, dtype: mx.Dtype) -> mx.array:
+    """:func:`rotation_matrix` in ``dtype``, computed once (a decode step reads it in every layer: a cast
+    there would be one more graph node per layer and step)."""
+    rotation = rotation_matrix(dim).astype(dtype)
+    mx.eval(rotation)
+    return rotation

@@ -86,6 +86,7 @@ class TieredStorage(ChannelStorage):
         self.low_values: Optional[tuple[mx.array, ...]] = None  # (codes in bit planes, scales, biases)
         self.memory = 0  # bytes the tiers may hold (set when allocated)
         self.grew = False  # a group entered the high tier since the bytes were last checked
+        self._bucketed: Optional[tuple[mx.array, ...]] = None  # (table scales, biases, as the low tier reads them)
 
     @property
     def spec(self) -> KVStorage:
@@ -137,12 +138,20 @@ class TieredStorage(ChannelStorage):
         ``(codes, rows, table scales, table biases)`` (the low tier's scales for its own bits), values
         ``(codes, scales, biases)``, the held rows ``mx.quantize``'s 8-bit triples."""
         n_low, n = self.n_low(size), self.n_full
-        codes, rows, table_s, table_b = self.keys
-        low_s, low_b = _bucket(table_s, table_b, self.key_bits - self.low_key_bits)
-        low = (self.low_keys[0][..., :n_low, :], self.low_keys[1][..., :n_low], low_s, low_b)
+        low = (self.low_keys[0][..., :n_low, :], self.low_keys[1][..., :n_low], *self._low_table())
         keys = (low, self.keys), tuple(x[..., :n, :] for x in self.fp_keys)
         values = (tuple(x[..., :n_low, :] for x in self.low_values), self.values), tuple(x[..., :n, :] for x in self.fp_values)
         return keys, values
+
+    def _low_table(self) -> tuple[mx.array, mx.array]:
+        """The key table's scales and biases as the low tier reads them (:func:`_bucket`), computed again only
+        when the table changed (its arrays are replaced, never written in place): at every decode step they
+        were two more graph nodes per layer."""
+        table_s, table_b = self.keys[2:]
+        cached = self._bucketed
+        if cached is None or cached[0] is not table_s or cached[1] is not table_b:
+            cached = self._bucketed = (table_s, table_b, *_bucket(table_s, table_b, self.key_bits - self.low_key_bits))
+        return cached[2:]
 
     def _parts(self, keys, values) -> tuple[tuple, tuple, tuple[tuple[int, int], ...]]:
         bits = ((self.low_key_bits, self.low_value_bits), (self.key_bits, self.value_bits))

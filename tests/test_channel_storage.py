@@ -18,6 +18,8 @@ from mlxevict.channel_attention import channel_decode_attention, channel_decode_
 from mlxevict.channel_codes import (
     channel_dequantize,
     channel_dequantize_compiled,
+    held_dequantize,
+    held_dequantize_compiled,
     pack_planes,
     planes_of,
     token_dequantize,
@@ -73,14 +75,24 @@ def test_bit_planes_round_trip_every_code(bits):
     assert mx.array_equal(unpack_planes(planes, bits), codes).item()
 
 
+@pytest.mark.parametrize("group", [64, 128])  # two groups per row, and one (its scales broadcast as they are)
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
-def test_values_in_bit_planes_dequantize_as_mx_dequantize(bits):
+def test_values_in_bit_planes_dequantize_as_mx_dequantize(bits, group):
     x = mx.random.normal((2, 3, 7, 128), key=mx.random.key(bits))
-    words, scales, biases = mx.quantize(x, group_size=64, bits=bits)
-    expected = mx.dequantize(words, scales, biases, group_size=64, bits=bits)
+    words, scales, biases = mx.quantize(x, group_size=group, bits=bits)
+    expected = mx.dequantize(words, scales, biases, group_size=group, bits=bits)
     planes = planes_of(words, bits)
-    assert mx.array_equal(token_dequantize(planes, scales, biases, bits, 64), expected).item()
-    assert mx.array_equal(token_dequantize_compiled(planes, scales, biases, bits, 64), expected).item()
+    assert mx.array_equal(token_dequantize(planes, scales, biases, bits, group), expected).item()
+    assert mx.array_equal(token_dequantize_compiled(planes, scales, biases, bits, group), expected).item()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_held_rows_dequantize_as_mx_dequantize(group):
+    x = 3 * mx.random.normal((1, 3, 37, 128), key=mx.random.key(group))
+    triple = mx.quantize(x, group_size=group, bits=8)
+    expected = mx.dequantize(*triple, group_size=group, bits=8)
+    assert mx.array_equal(held_dequantize(*triple, group), expected).item()
+    assert mx.array_equal(held_dequantize_compiled(*triple, group), expected).item()
 
 
 def test_channel_quantize_equals_the_simulated_fake_quantization():

@@ -105,7 +105,7 @@ def test_storage_step_times_every_mode(capsys):
     out = capsys.readouterr().out.splitlines()
     rows = [line.split("|") for line in out if line.startswith("| ") and not line.startswith("| storage")]
     assert [r[1].strip() for r in rows] == [*storage_step.MODES, storage_step.MLX_LM_Q4]
-    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 and int(r[4]) > 0 for r in rows)
 
 
 def test_entries_within_refuses_an_unknown_cache(model):
