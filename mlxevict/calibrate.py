@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -118,7 +119,11 @@ def calibration_path(model: "nn.Module | str | Path") -> Path:
 
 def find_calibration(model: "nn.Module | str | Path") -> Optional[Calibration]:
     """The calibration of this model (or model folder): the user's (``mlxevict calibrate``), else one shipped;
-    ``None``: never calibrated."""
+    ``None``: never calibrated.
+
+    Raises:
+        MlxEvictError: the file found cannot be read.
+    """
     mine = calibration_path(model)
     for path in (mine, SHIPPED / mine.name):
         if path.is_file():
@@ -128,13 +133,17 @@ def find_calibration(model: "nn.Module | str | Path") -> Optional[Calibration]:
 
 def saved_calibration(model_or_config: Any) -> Optional[Calibration]:
     """:func:`find_calibration` of a loaded model or a model folder; ``None`` for a config (no weights to name it
-    by), a folder whose weights cannot be read (not downloaded yet), or an unreadable calibration file."""
+    by), a folder whose weights cannot be read (not downloaded yet), or an unreadable calibration file, which
+    is said in a warning (the plan then keeps one tier everywhere, and the user should know why)."""
     known = isinstance(model_or_config, nn.Module) or (
         isinstance(model_or_config, (str, Path)) and Path(model_or_config).is_dir()
     )
     try:
         return find_calibration(model_or_config) if known else None
-    except (OSError, ValueError, KeyError, RuntimeError):  # MlxEvictError is a ValueError
+    except MlxEvictError as err:
+        warnings.warn(f"{err}: planning without it; `mlxevict calibrate MODEL` writes it again")
+        return None
+    except (OSError, ValueError, KeyError, RuntimeError):  # the folder's weights: missing or unreadable
         return None
 
 

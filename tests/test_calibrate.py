@@ -204,3 +204,8 @@ def test_info_says_whether_the_model_is_calibrated(tmp_path, cache_home, capsys,
     Calibration((0.1, 0.9), (1,), ":k5v3w8c64", 512, 256, "").save(calibration_path(folder))
     assert main(["info", str(folder)]) == 0
     assert "calibration   layer 1 in 8 bits when a --budget in memory evicts" in capsys.readouterr().out
+    calibration_path(folder).write_text("{damaged")  # said once, not taken for "never calibrated" in silence
+    assert main(["info", str(folder)]) == 0
+    out, err = capsys.readouterr()
+    assert "calibration   none" in out and err.count("is not a calibration file") == 1
+    assert "planning without it; `mlxevict calibrate MODEL` writes it again" in err
