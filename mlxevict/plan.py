@@ -19,6 +19,9 @@ from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, SPLIT_BITS, KVStorage
 
 KEY_GROUP = 64  # tokens per key scale of the memory rule's per-channel keys (the one measured)
 LOW_BITS = (3, 2)  # the memory rule's low precision tier (docs/tiers.md)
+# Below this share of a 16-bit full cache of the tokens expected, the low tier keeps 4-bit keys instead: where the
+# cache must evict most of the context, 4/2 beat 3/2 on KL at 12.5% in both tuning runs and lost at 15.6% (docs/tiers.md).
+HEAVY_SHARE, HEAVY_LOW_BITS = 0.14, (4, 2)
 # A model's calibrated layers go to 8 bits when the budget is at least this share of a 16-bit full cache of the
 # tokens expected: on the tuning half they gained at 25% and 18.75%, lost at 15.6% and 12.5% (docs/tiers.md).
 EIGHT_BIT_SHARE = 0.18
@@ -66,7 +69,8 @@ def memory_storage(
     over 64 tokens (KIVI, :mod:`mlxevict.channel_storage`) and a low tier of 3/2 bits that
     the policy's lowest-ranked entries are demoted to before any is evicted
     (:mod:`mlxevict.tiered_storage`), which the long-context suite's tuning half picked over
-    one 5/3 tier at 25% and 12.5% of a 16-bit cache's bytes (docs/tiers.md), unless its 96
+    one 5/3 tier at 25% and 12.5% of a 16-bit cache's bytes (docs/tiers.md); 4/2 bits when the
+    budget is under ``HEAVY_SHARE`` of a 16-bit full cache of ``expected_tokens``; unless its 96
     tokens held in 8 bits would take more than half the budget (then per-token 5/3 bits); with
     ``eight_bit_layers`` (a model's :mod:`~mlxevict.calibrate` layers) those layers in 8 bits, the
     same tokens in every layer, when the budget is at least ``EIGHT_BIT_SHARE`` of a 16-bit full cache of
@@ -80,7 +84,8 @@ def memory_storage(
         limit: the model's context length (``None``: unknown, so 5/3 bits).
         available: free bytes for ``auto`` (default: what the system has now).
         eight_bit_layers: layers to keep in 8 bits when the rule picks precision tiers.
-        expected_tokens: the tokens the cache will see (prompt and answer), for ``eight_bit_layers``.
+        expected_tokens: the tokens the cache will see (prompt and answer), for the low tier's bits and
+            ``eight_bit_layers``.
     """
     head_dim = kv_shape(model_or_config).head_dim
     group = next((g for g in (DEFAULT_GROUP_SIZE, 32) if head_dim % g == 0), None)
@@ -90,8 +95,10 @@ def memory_storage(
     for storage in (DTYPE, KVStorage.of(8, group), per_token):
         if limit and budget_tokens(request, model_or_config, storage, available=available) >= limit:
             return storage
-    channel = KVStorage.of(SPLIT_BITS, group, window_bits=8, key_group=KEY_GROUP, low_bits=LOW_BITS)
-    eight = eight_bit_layers and budget_share(request, model_or_config, expected_tokens or limit, available) >= EIGHT_BIT_SHARE
+    share = budget_share(request, model_or_config, expected_tokens or limit, available)
+    low_bits = HEAVY_LOW_BITS if 0 < share < HEAVY_SHARE else LOW_BITS
+    channel = KVStorage.of(SPLIT_BITS, group, window_bits=8, key_group=KEY_GROUP, low_bits=low_bits)
+    eight = eight_bit_layers and share >= EIGHT_BIT_SHARE
     for storage in ((replace(channel, eight_bit_layers=tuple(eight_bit_layers)),) if eight else ()) + (channel,):
         tokens = budget_tokens(request, model_or_config, storage, available=available)
         # Its 8-bit window and unfinished key group (96 tokens) must leave room to evict: at most half the budget.

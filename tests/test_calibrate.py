@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 from tiny_models import random_tokens, run_chunks, tiny_model
@@ -102,9 +104,12 @@ def test_a_memory_budget_keeps_the_calibrated_layer_in_8_bits_at_the_same_bytes(
     assert plan.storage.eight_bit_layers == (2,) and "layer 2 in 8 bits" in plan.storage.label
     plain = plan_cache(model, budget, eight_bit_layers=(), expected_tokens=600)
     assert plain.storage.eight_bit_layers == () and plan.tokens < plain.tokens  # the 8-bit layer's bytes are counted
-    # Below 18% of the full cache the bytes go to tokens instead (the layer lost there on the tuning half).
-    assert plan_cache(model, budget, expected_tokens=1200).storage == plain.storage
-    assert plan_cache(model, budget).storage == plain.storage  # expected: the model's context, 8,192 tokens
+    # Below 18% of the full cache the bytes go to tokens instead (the layer lost there on the tuning half), and
+    # below 14% (the cache evicts most of the context) the low tier keeps 4-bit keys.
+    assert plain.storage.low_bits == (3, 2) and plan_cache(model, budget, expected_tokens=900).storage == plain.storage
+    heavy = replace(plain.storage, low_bits=(4, 2))
+    assert plan_cache(model, budget, expected_tokens=1200).storage == heavy
+    assert plan_cache(model, budget).storage == heavy  # expected: the model's context, 8,192 tokens
     caches = make_cache(model, "default", budget, expected_tokens=600)
     assert [type(c) is QuantizedEvictingKVCache for c in caches] == [False, False, True, False]
     run_chunks(model, caches, random_tokens(1500), [100] * 15)
