@@ -49,11 +49,15 @@ Progress = Callable[[str], None]
 
 def product_storage(model: nn.Module, fraction: float) -> str:
     """The memory rule's storage for this model at ``fraction`` of a 16-bit full cache of the context: the tiers,
-    with the model's calibrated layers in 8 bits at ``EIGHT_BIT_SHARE`` and above (:func:`mlxevict.plan.memory_storage`)."""
-    from mlxevict.plan import EIGHT_BIT_SHARE, calibrated_layers
+    their low tier in 4/2 bits under ``HEAVY_SHARE``, the model's calibrated layers in 8 bits at ``EIGHT_BIT_SHARE``
+    and above (:func:`mlxevict.plan.memory_storage`)."""
+    from mlxevict.plan import EIGHT_BIT_SHARE, HEAVY_LOW_BITS, HEAVY_SHARE, LOW_BITS, calibrated_layers
 
+    name = PRODUCT_STORAGE
+    if fraction < HEAVY_SHARE:
+        name = name.replace("l{}{}".format(*LOW_BITS), "l{}{}".format(*HEAVY_LOW_BITS))
     layers = calibrated_layers(model) if fraction >= EIGHT_BIT_SHARE else ()
-    return PRODUCT_STORAGE + (f"e{'.'.join(map(str, layers))}" if layers else "")
+    return name + (f"e{'.'.join(map(str, layers))}" if layers else "")
 
 
 def run_split(

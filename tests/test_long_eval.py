@@ -236,3 +236,15 @@ def test_the_variants_help_names_every_simulated_storage():
     long_cli.add_long_arguments(p)
     helped = set(re.findall(r"[\w-]+", next(a.help for a in p._actions if a.dest == "variants")))
     assert [name for name in sv.VARIANTS if name not in helped] == []
+
+
+@pytest.mark.parametrize("fraction", [0.125, 0.25])
+def test_the_product_row_is_what_the_memory_rule_plans(model, fraction):
+    """The eval's product row at a share of the bytes is the storage ``plan_cache`` picks for that share."""
+    from mlxevict.geometry import kv_shape
+    from mlxevict.plan import plan_cache
+
+    context = 1024
+    budget = f"{int(fraction * context * kv_shape(model, 2).bytes_per_token)}B"
+    planned = plan_cache(model, budget, expected_tokens=context).storage
+    assert le.product_storage(model, fraction) == "default" + planned.suffix
