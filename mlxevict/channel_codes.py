@@ -117,7 +117,11 @@ def channel_quantize(x: mx.array, bits: int, group: int) -> tuple[mx.array, mx.a
 def token_dequantize(words: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
     """``mx.dequantize`` of per-token codes stored in bit planes: ``(..., D·bits/32)`` words and
     ``(..., D/group_size)`` scales and biases → ``(..., D)``."""
-    codes = unpack_planes(words, bits).astype(scales.dtype)
+    return _scaled(unpack_planes(words, bits).astype(scales.dtype), scales, biases, group_size)
+
+
+def _scaled(codes: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+    """``(..., D)`` codes times their ``(..., D/group_size)`` scales plus biases, group by group."""
     if scales.shape[-1] == 1:  # one group per row: the scales broadcast as they are
         return codes * scales + biases
     *lead, D = codes.shape
@@ -136,12 +140,8 @@ def held_dequantize(words: mx.array, scales: mx.array, biases: mx.array, group_s
     """``mx.dequantize`` of ``mx.quantize``'s 8-bit triples (the held rows), the same numbers in fewer graph nodes:
     on the CPU ``mx.dequantize`` is some thirty small operations."""
     *lead, W = words.shape
-    codes = ((words.reshape(*lead, W, 1) >> _plane_shifts(8)) & 255).reshape(*lead, 4 * W).astype(scales.dtype)
-    if scales.shape[-1] == 1:
-        return codes * scales + biases
-    D = 4 * W
-    groups = codes.reshape(*lead, D // group_size, group_size)
-    return (groups * scales[..., None] + biases[..., None]).reshape(*lead, D)
+    codes = ((words.reshape(*lead, W, 1) >> _plane_shifts(8)) & 255).reshape(*lead, 4 * W)
+    return _scaled(codes.astype(scales.dtype), scales, biases, group_size)
 
 
 def table_index(rows: mx.array, T: int) -> mx.array:
