@@ -533,7 +533,7 @@ def test_a_budget_in_tokens_stays_in_the_model_dtype_unless_told(capsys, tiny32)
     assert cache["kv_bits"] == [5, 3] and cache["budget"] == 64
 
 
-def test_info_plans_a_memory_budget_as_generate_runs_it(capsys, tiny32):
+def test_info_plans_a_memory_budget_as_chat_runs_it_and_generate_holds_less(capsys, tiny32):
     plan = json.loads(cli(capsys, "info", tiny32, "--json", "--budget", "100KB")[1])
     run = ("generate", tiny32, "-p", "hi", "--budget", "100KB", "--max-tokens", "2", "--json")
     cache = json.loads(cli(capsys, *run)[1])
