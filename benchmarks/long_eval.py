@@ -48,16 +48,12 @@ Progress = Callable[[str], None]
 
 
 def product_storage(model: nn.Module, fraction: float) -> str:
-    """The memory rule's storage for this model at ``fraction`` of a 16-bit full cache of the context: the tiers,
-    their low tier in 4/2 bits under ``HEAVY_SHARE``, the model's calibrated layers in 8 bits at ``EIGHT_BIT_SHARE``
-    and above (:func:`mlxevict.plan.memory_storage`)."""
-    from mlxevict.plan import EIGHT_BIT_SHARE, HEAVY_LOW_BITS, HEAVY_SHARE, LOW_BITS, calibrated_layers
+    """The memory rule's storage for this model at ``fraction`` of a 16-bit full cache of the context
+    (:func:`mlxevict.plan.tiers_storage`, with the model's calibrated layers)."""
+    from mlxevict.kvstorage import DEFAULT_GROUP_SIZE
+    from mlxevict.plan import calibrated_layers, tiers_storage
 
-    name = PRODUCT_STORAGE
-    if fraction < HEAVY_SHARE:
-        name = name.replace("l{}{}".format(*LOW_BITS), "l{}{}".format(*HEAVY_LOW_BITS))
-    layers = calibrated_layers(model) if fraction >= EIGHT_BIT_SHARE else ()
-    return name + (f"e{'.'.join(map(str, layers))}" if layers else "")
+    return "default" + tiers_storage(fraction, DEFAULT_GROUP_SIZE, calibrated_layers(model)).suffix
 
 
 def run_split(

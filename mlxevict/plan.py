@@ -96,15 +96,23 @@ def memory_storage(
         if limit and budget_tokens(request, model_or_config, storage, available=available) >= limit:
             return storage
     share = budget_share(request, model_or_config, expected_tokens or limit, available)
-    low_bits = HEAVY_LOW_BITS if 0 < share < HEAVY_SHARE else LOW_BITS
-    channel = KVStorage.of(SPLIT_BITS, group, window_bits=8, key_group=KEY_GROUP, low_bits=low_bits)
-    eight = eight_bit_layers and share >= EIGHT_BIT_SHARE
-    for storage in ((replace(channel, eight_bit_layers=tuple(eight_bit_layers)),) if eight else ()) + (channel,):
+    tiers = tiers_storage(share, group, eight_bit_layers)
+    # Without the 8-bit layers when their bytes leave no room to evict.
+    for storage in [tiers] + ([replace(tiers, eight_bit_layers=())] if tiers.eight_bit_layers else []):
         tokens = budget_tokens(request, model_or_config, storage, available=available)
         # Its 8-bit window and unfinished key group (96 tokens) must leave room to evict: at most half the budget.
         if tokens >= 2 * (default_window(tokens) + KEY_GROUP):
             return storage
     return per_token
+
+
+def tiers_storage(share: float, group: int, eight_bit_layers: Sequence[int] = ()) -> KVStorage:
+    """The precision tiers for a budget at ``share`` of a 16-bit full cache of the tokens expected (0: unknown):
+    their low tier in ``HEAVY_LOW_BITS`` under ``HEAVY_SHARE``, ``eight_bit_layers`` in 8 bits from
+    ``EIGHT_BIT_SHARE`` (the rule :func:`memory_storage` applies, and the long eval's product row)."""
+    low_bits = HEAVY_LOW_BITS if 0 < share < HEAVY_SHARE else LOW_BITS
+    layers = tuple(eight_bit_layers) if share >= EIGHT_BIT_SHARE else ()
+    return KVStorage.of(SPLIT_BITS, group, window_bits=8, key_group=KEY_GROUP, low_bits=low_bits, eight_bit_layers=layers)
 
 
 def budget_share(request: BudgetRequest, model_or_config: Any, tokens: Optional[int], available: Optional[int] = None) -> float:
