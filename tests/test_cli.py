@@ -545,7 +545,10 @@ def test_info_plans_a_memory_budget_as_chat_runs_it_and_generate_holds_less(caps
     assert plan["budget_kv_bits"] == [5, 3] and plan["auto_kv_bits"] is None  # auto holds the context in float32
     text = cli(capsys, "info", tiny32, "--budget", "100KB")[1]
     assert f"--budget {plan['budget']} tokens holds 97.6 KiB of KV (5/3-bit KIVI-64, 4/2-bit below);" in text
-    assert json.loads(cli(capsys, "info", tiny32, "--json", "--budget", "64")[1])["budget_kv_bits"] is None
+    assert plan["planned_for_tokens"] == plan["context_limit"] == 2048
+    assert "planned for 2,048 tokens (the context), as chat and serve plan it; generate plans for" in text
+    tokens = json.loads(cli(capsys, "info", tiny32, "--json", "--budget", "64")[1])
+    assert tokens["budget_kv_bits"] is None and tokens["planned_for_tokens"] is None  # tokens: no share to plan by
     # precision tiers count a budget past the 2,048-token context at the low tier's bytes: not capped, and the
     # bytes a full context's low-tier entries leave keep entries in the high tier
     plan = json.loads(cli(capsys, "info", tiny32, "--json", "--budget", "340KB")[1])

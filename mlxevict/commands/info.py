@@ -162,6 +162,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "budget_kv_nbytes": budget.nbytes(resolved.path),
         "budget_storage": budget.storage.label,
         "compare_at_tokens": compare_at,
+        # A budget in memory picks its storage by its share of the tokens expected: here the context, as chat does.
+        "planned_for_tokens": context if budget.request.tokens is None else None,
         "saved_nbytes": full - held,
         "saved_fraction": (full - held) / full if full else 0.0,
         "auto_kv_nbytes": int(free * AUTO_FRACTION),
@@ -215,6 +217,9 @@ def render(p: dict[str, Any]) -> str:
         f"a full cache at {_k(compare)} tokens holds {format_bytes(p['kv_bytes_per_token'] * compare)}: "
         f"saves {format_bytes(p['saved_nbytes'])} ({100 * p['saved_fraction']:.0f}%)",
     ]
+    if p.get("planned_for_tokens"):
+        lines.append(f"              planned for {p['planned_for_tokens']:,} tokens (the context), as chat and serve plan "
+                     "it; generate plans for its prompt and --max-tokens, so its storage may differ")
     auto_memory = format_bytes(p["auto_kv_nbytes"])
     lines.append(f"storage       bytes per token, and tokens the auto KV memory ({auto_memory}) holds:")
     names = [m["flags"] if m["kv_bits"] else f"{8 * p['dtype_size']}-bit float" for m in p["storage_modes"]]
