@@ -28,6 +28,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 import mlxevict
 from mlxevict.cache import DEFAULT_BUDGET, DEFAULT_SINKS
+from mlxevict.errors import MlxEvictError
 from mlxevict.geometry import kv_shape, model_head_dim
 from mlxevict.kvstorage import KVStorage
 from mlxevict.plan import protected_room
@@ -90,7 +91,8 @@ def parse_names(text: str | None, storage: bool = False) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if not _known(n)]
     if unknown:
-        raise ValueError(
+        suffix_error(unknown[0])
+        raise MlxEvictError(
             f"unknown cache or policy {', '.join(unknown)}; choose from: {', '.join(cache_names())} "
             "(a policy with :q8 or :q4 stores its KV in 8 or 4 bits, :q4w8 in 4 bits with an 8-bit recent window, "
             ":k5v3w8 keys in 5 bits and values in 3 with an 8-bit recent window)"
@@ -256,6 +258,24 @@ def split_storage(name: str) -> tuple[str, dict[str, Any]]:
 
 
 _SUFFIX_SETS = ("kv_bits", "window_bits", "key_group", "low_bits", "eight_bit_layers")  # what a suffix sets; the rest stay make_cache's defaults
+
+
+def suffix_error(name: str, flag: str = "") -> None:
+    """Raise the reason a known policy's storage suffix is not one (``"default:k5v3w8c64l44"``); else nothing."""
+    base, colon, suffix = name.partition(":")
+    if colon and base in cache_names() and base not in MLX_LM_CACHES:
+        try:
+            KVStorage.from_suffix(colon + suffix)
+        except ValueError as err:
+            reason = str(err).removeprefix(f"{colon + suffix!r}: ")  # the name is said once, first
+            raise MlxEvictError(f"{flag + ' ' if flag else ''}{name}: {reason}") from None
+
+
+def check_cache(name: str, flag: str) -> None:
+    """One error line (``flag``: the option that named it) for a cache or policy the benchmarks do not know."""
+    if not _known(name):
+        suffix_error(name, flag)
+        raise MlxEvictError(f"{flag} {name}: unknown cache or policy; choose from: {', '.join(cache_names())}")
 
 
 def _known(name: str) -> bool:

@@ -63,18 +63,20 @@ def add_long_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def long_config(args: argparse.Namespace) -> Any:
+    from mlxevict.errors import MlxEvictError
+
     from .caches import CacheSettings
     from .long_runs import LONG, LongConfig
 
     for name in SHORT_ONLY:
         if getattr(args, name, None):
-            raise ValueError(f"--{name.replace('_', '-')} belongs to the 512-token suite: add --suite short")
+            raise MlxEvictError(f"--{name.replace('_', '-')} belongs to the 512-token suite: add --suite short")
     quick = dict(lengths=(512,), tuning_lengths=(512,), kinds=("passkeys", "reasoning"), fidelity_texts=1, fidelity_length=512, fidelity_scored=64,
                  policies=("default", "window"),
                  compress_policies=("default",), token_fractions=(0.25,), compress_fractions=(0.25,), memory_fractions=(0.25,),
                  variants=(), baselines=("quantized4",)) if args.quick else {}  # fmt: skip
     if args.long and args.quick:
-        raise ValueError("--long and --quick: choose one")
+        raise MlxEvictError("--long and --quick: choose one")
     if args.long:
         quick = LONG
     given = dict(
@@ -85,7 +87,9 @@ def long_config(args: argparse.Namespace) -> Any:
         policies=None if args.policies in (None, "all") else _names(args.policies),
     )  # fmt: skip
     settings = CacheSettings(sinks=args.sinks, window=args.window, slack=args.slack)
-    return LongConfig(settings=settings, **{**quick, **{k: v for k, v in given.items() if v is not None}})
+    config = LongConfig(settings=settings, **{**quick, **{k: v for k, v in given.items() if v is not None}})
+    config.check()
+    return config
 
 
 def run_long_eval(args: argparse.Namespace) -> int:

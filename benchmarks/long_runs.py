@@ -13,6 +13,7 @@ PROTOCOLS = ("stream", "compress")
 CHUNK = 64
 MEMORY_FRACTIONS = (0.25, 0.125)
 SEEDS = {"tuning": 0, "test": 1}
+SPLITS = tuple(SEEDS)  # in the order they run
 CHOSEN = "chosen"  # the test half's name for the storage the tuning half picked
 PRODUCT_STORAGE = "default:k5v3w8c64l32"  # the memory-budget rule's storage today (precision tiers)
 ONE_TIER = "default:k5v3w8c64"  # the rule before the tiers: one 5/3 tier, keys per channel, then eviction
@@ -67,11 +68,28 @@ class LongConfig:
     memory_fractions: tuple[float, ...] = MEMORY_FRACTIONS
     variants: tuple[str, ...] = TUNING_VARIANTS
     baselines: tuple[str, ...] = BASELINES
-    splits: tuple[str, ...] = ("tuning", "test")
+    splits: tuple[str, ...] = SPLITS
     parts: tuple[str, ...] = PARTS  # which groups of the test half's runs
     reference_dir: str | None = None  # keep the full cache's outcomes here, for runs split across processes
     chunk: int = CHUNK
     settings: CacheSettings = field(default_factory=CacheSettings)
+
+    def check(self) -> None:
+        """One error line for a name the suite does not know, before any model loads (else a run fails later)."""
+        from mlxevict.errors import MlxEvictError
+
+        from .caches import UNBUDGETED, check_cache
+        from .storage_variants import VARIANTS
+
+        for flag, names, known in (("--kinds", self.kinds, KINDS), ("--splits", self.splits, SPLITS),
+                                   ("--parts", self.parts, (*PARTS, "variants")), ("--baselines", self.baselines, UNBUDGETED)):
+            for name in names:
+                if name not in known:
+                    raise MlxEvictError(f"{flag} {name}: choose from {', '.join(known)}")
+        for flag, names in (("--policies", self.policies), ("--compress-policies", self.compress_policies),
+                            ("--variants", tuple(v for v in self.variants if v not in VARIANTS))):
+            for name in names:
+                check_cache(name, flag)
 
     def lengths_of(self, split: str) -> tuple[int, ...]:
         """The retrieval contexts of a half."""

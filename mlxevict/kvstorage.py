@@ -316,11 +316,14 @@ class KVStorage:
                 bits = (int(key), int(value))
             low_bits = (int(low[0]), int(low[1:])) if low else None
             layers = tuple(int(i) for i in eight.split(".")) if eight else ()
-            return cls.of(bits, window_bits=window, key_group=int(channel) if channel else None, low_bits=low_bits,
-                          eight_bit_layers=layers)
+            key_group = int(channel) if channel else None
         except (ValueError, IndexError):
             known = ":q8, :q4, :q4w8, :k5v3w8, :k5v3w8c64 or :k5v3w8c64l32"
             raise ValueError(f"{suffix!r} is not a storage suffix; use {known}") from None
+        try:  # read, but not a storage: say why (the check's own message)
+            return cls.of(bits, window_bits=window, key_group=key_group, low_bits=low_bits, eight_bit_layers=layers)
+        except ValueError as e:
+            raise ValueError(f"{suffix!r}: {e}") from None
 
     # ---- reading it --------------------------------------------------------------------------------
     @property

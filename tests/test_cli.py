@@ -558,6 +558,29 @@ def test_info_plans_a_memory_budget_as_chat_runs_it_and_generate_holds_less(caps
     assert "the context's 2,048 fit, and the rest keeps entries high" in cli(capsys, "info", tiny32, "--budget", "340KB")[1]
 
 
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (("eval", "--variants", "default:k5v3w8c64l44"),
+         "--variants default:k5v3w8c64l44: low_bits=(4, 4) must take fewer bits than kv_bits=(5, 3)"),
+        (("eval", "--variants", "default:zz"), "--variants default:zz: ':zz' is not a storage suffix"),
+        (("eval", "--policies", "nope"), "--policies nope: unknown cache or policy; choose from: kvcache"),
+        (("eval", "--compress-policies", "quantized4:q4"), "--compress-policies quantized4:q4: unknown cache or policy"),
+        (("eval", "--baselines", "snapkv"), "--baselines snapkv: choose from kvcache"),
+        (("eval", "--parts", "policy"), "--parts policy: choose from baselines, policies"),
+        (("eval", "--kinds", "passkey,needle"), "--kinds needle: choose from passkey"),
+        (("eval", "--long", "--quick"), "--long and --quick: choose one"),
+        (("eval", "--suite", "short", "--policies", "nope"), "unknown cache or policy nope"),
+        (("bench", "--policies", "default:k5v3w8c64l44"), "default:k5v3w8c64l44: low_bits=(4, 4) must take fewer"),
+    ],
+)
+def test_eval_and_bench_name_a_bad_cache_in_one_line_before_loading(capsys, tmp_path, args, expected):
+    """A name the benchmarks cannot run is one error line, before any model loads (a folder that holds none)."""
+    rc, _, err = cli(capsys, args[0], tmp_path / "no-model", *args[1:], "--out", tmp_path / "out")
+    assert rc == 1
+    one_error_line(err, expected)
+
+
 def test_kv_bits_none_takes_no_storage_options(capsys, tiny):
     rc, _, err = cli(capsys, "generate", tiny, "-p", "hi", "--budget", "1MB", "--kv-bits", "none", "--fp-window", "8")
     assert rc == 1
