@@ -46,8 +46,10 @@ def test_one_message_per_rule_in_the_api_and_the_flags_spelling():
         KVStorage(7, 7)
     with pytest.raises(ValueError, match="give both, or neither"):
         KVStorage(4, None)
-    with pytest.raises(ValueError, match=r"'q7' is not a storage suffix"):
+    with pytest.raises(ValueError, match=r"^'q7': kv_bits=7 is not supported"):  # read, but not a storage: why
         KVStorage.from_suffix("q7")
+    with pytest.raises(ValueError, match=r"'q' is not a storage suffix; use :q8"):
+        KVStorage.from_suffix("q")
 
 
 def test_bytes_per_token_by_storage():
