@@ -23,9 +23,12 @@ def test_storage_suffix_names():
     assert bcaches.split_storage("default:k4v2w8c64") == ("default", {"kv_bits": (4, 2), "window_bits": 8, "key_group": 64})
     assert bcaches.parse_names("default:q8,rkv:q4") == ["kvcache", "default:q8", "rkv:q4"]
     assert bcaches.takes_budget("h2o:q8") and not bcaches.takes_budget("full:q4")
-    for bad in ("quantized8:q8", "rotating:q4", "nope:q8", "default:q3"):
+    for bad in ("quantized8:q8", "rotating:q4", "nope:q8"):
         with pytest.raises(ValueError, match="a policy with :q8 or :q4 stores"):
             bcaches.parse_names(bad)
+    # a suffix that reads but is not a storage: the storage's own reason
+    with pytest.raises(ValueError, match=r"^default:q3: kv_bits=3 is not supported"):
+        bcaches.parse_names("default:q3")
 
 
 def test_make_caches_with_storage_suffix(model):
