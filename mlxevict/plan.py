@@ -19,9 +19,9 @@ from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, SPLIT_BITS, KVStorage
 
 KEY_GROUP = 64  # tokens per key scale of the memory rule's per-channel keys (the one measured)
 LOW_BITS = (3, 2)  # the memory rule's low precision tier (docs/tiers.md)
-# Below this share of a 16-bit full cache of the tokens expected, the low tier keeps 4-bit keys instead: where the
-# cache must evict most of the context, 4/2 beat 3/2 on KL at 12.5% in both tuning runs and lost at 15.6% (docs/tiers.md).
-HEAVY_SHARE, HEAVY_LOW_BITS = 0.14, (4, 2)
+# Below this share of a 16-bit full cache of the tokens expected, the low tier keeps 4/3 bits instead: where the
+# cache must evict most of the context, 4/3 had the lowest KL at 12.5% in two tuning runs (docs/tiers.md).
+HEAVY_SHARE, HEAVY_LOW_BITS = 0.14, (4, 3)
 # A model's calibrated layers go to 8 bits when the budget is at least this share of a 16-bit full cache of the
 # tokens expected: on the tuning half they gained at 25% and 18.75%, lost at 15.6% and 12.5% (docs/tiers.md).
 EIGHT_BIT_SHARE = 0.18
@@ -69,7 +69,7 @@ def memory_storage(
     over 64 tokens (KIVI, :mod:`mlxevict.channel_storage`) and a low tier of 3/2 bits that
     the policy's lowest-ranked entries are demoted to before any is evicted
     (:mod:`mlxevict.tiered_storage`), which the long-context suite's tuning half picked over
-    one 5/3 tier at 25% and 12.5% of a 16-bit cache's bytes (docs/tiers.md); 4/2 bits when the
+    one 5/3 tier at 25% and 12.5% of a 16-bit cache's bytes (docs/tiers.md); 4/3 bits when the
     budget is under ``HEAVY_SHARE`` of a 16-bit full cache of ``expected_tokens``; unless its 96
     tokens held in 8 bits would take more than half the budget (then per-token 5/3 bits); with
     ``eight_bit_layers`` (a model's :mod:`~mlxevict.calibrate` layers) those layers in 8 bits, the

@@ -434,7 +434,7 @@ async def test_settings_take_a_memory_budget_and_kv_bits_as_the_cli_does(tiny64)
         await set_in_dialog(pilot, app, "100KB", "")
         plan = plan_cache(model, "100KB")
         await wait_until(pilot, lambda: session.budget == plan.tokens)
-        assert plan.storage.label == "5/3-bit KIVI-64, 4/2-bit below" and plan.tokens < 1000  # 100 KB evicts most
+        assert plan.storage.label == "5/3-bit KIVI-64, 4/3-bit below" and plan.tokens < 1000  # 100 KB evicts most
         assert f"budget {plan.tokens:,} (100KB) · 5/3-bit" in shown()
         # a bad budget is the CLI's line, in the dialog, and nothing changes
         await set_in_dialog(pilot, app, "20XB", "")

@@ -107,7 +107,7 @@ def test_a_memory_budget_keeps_the_calibrated_layer_in_8_bits_at_the_same_bytes(
     # Below 18% of the full cache the bytes go to tokens instead (the layer lost there on the tuning half), and
     # below 14% (the cache evicts most of the context) the low tier keeps 4-bit keys.
     assert plain.storage.low_bits == (3, 2) and plan_cache(model, budget, expected_tokens=900).storage == plain.storage
-    heavy = replace(plain.storage, low_bits=(4, 2))
+    heavy = replace(plain.storage, low_bits=(4, 3))
     assert plan_cache(model, budget, expected_tokens=1200).storage == heavy
     assert plan_cache(model, budget).storage == heavy  # expected: the model's context, 8,192 tokens
     caches = make_cache(model, "default", budget, expected_tokens=600)

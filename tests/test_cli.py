@@ -332,15 +332,15 @@ def test_plain_chat_with_a_memory_budget_keeps_its_storage_for_budget_changes(ca
     rc, _, err = cli(capsys, *args, stdin="\n".join(lines) + "\n")
     stats = [line for line in err.splitlines() if line.startswith("[")]
     assert rc == 0 and len(stats) == 2 and all("(5/3-bit)" in line for line in stats)
-    assert err.startswith("chatting with tiny32 (policy default, budget 474, KV in 5/3-bit KIVI-64, 4/2-bit below); /help")
+    assert err.startswith("chatting with tiny32 (policy default, budget 432, KV in 5/3-bit KIVI-64, 4/3-bit below); /help")
     capacities = [int(re.search(r"KV kept \d+/(\d+)", line).group(1)) for line in stats]
-    # precision tiers over keys per channel: 152 B a token in the low tier (4/2 bits: 100 KB is under 14% of a
+    # precision tiers over keys per channel: 168 B a token in the low tier (4/3 bits: 100 KB is under 14% of a
     # 16-bit cache of the model's context, which a chat expects), the window (min(32, budget/8)) and a 64-token
     # key group at 320 B, and 2 reserved scale-table rows (512 B per kv-head)
     fixed = 4 * 512
-    assert capacities[0] == (100_000 - 96 * 320 - fixed) // 152 + 32
+    assert capacities[0] == (100_000 - 96 * 320 - fixed) // 168 + 32
     window = min(32, capacities[1] // 8)
-    assert capacities[1] == (60_000 - (window + 64) * 320 - fixed) // 152 + window
+    assert capacities[1] == (60_000 - (window + 64) * 320 - fixed) // 168 + window
 
 
 def test_plain_chat_budget_command_stores_as_the_budget_flag_does(capsys, tiny32):
@@ -351,7 +351,7 @@ def test_plain_chat_budget_command_stores_as_the_budget_flag_does(capsys, tiny32
     lines = ["/budget 100KB", "Hello there", "/quit"]
     rc, _, err = cli(capsys, "chat", tiny32, "--plain", "--budget", "64", "--max-tokens", "4", stdin="\n".join(lines) + "\n")
     stats = [line for line in err.splitlines() if line.startswith("[")]
-    assert rc == 0 and f"budget {flag['budget']} tokens, KV in 5/3-bit KIVI-64, 4/2-bit below from the next turn" in err
+    assert rc == 0 and f"budget {flag['budget']} tokens, KV in 5/3-bit KIVI-64, 4/3-bit below from the next turn" in err
     assert len(stats) == 1 and re.search(rf"KV kept \d+/{flag['budget']},", stats[0]) and "(5/3-bit)" in stats[0]
 
 
@@ -544,7 +544,7 @@ def test_info_plans_a_memory_budget_as_chat_runs_it_and_generate_holds_less(caps
     assert 0 < cache["cache"]["nbytes"] <= plan["budget_kv_nbytes"]
     assert plan["budget_kv_bits"] == [5, 3] and plan["auto_kv_bits"] is None  # auto holds the context in float32
     text = cli(capsys, "info", tiny32, "--budget", "100KB")[1]
-    assert f"--budget {plan['budget']} tokens holds 97.6 KiB of KV (5/3-bit KIVI-64, 4/2-bit below);" in text
+    assert f"--budget {plan['budget']} tokens holds 97.6 KiB of KV (5/3-bit KIVI-64, 4/3-bit below);" in text
     assert plan["planned_for_tokens"] == plan["context_limit"] == 2048
     assert "planned for 2,048 tokens (the context), as chat and serve plan it; generate plans for" in text
     tokens = json.loads(cli(capsys, "info", tiny32, "--json", "--budget", "64")[1])

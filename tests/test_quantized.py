@@ -353,9 +353,9 @@ def test_plain_cache_has_no_kv_bits():
         # 2 layers x 2 kv-heads x head dim 32 in float32: 1,024 B a token, 4,096 tokens of context
         ("8MB", None, "EvictingKVCache", None, 4096),  # the whole context fits in the dtype
         ("2MB", None, "QuantizedEvictingKVCache", 8, 4096),  # in 8 bits
-        # precision tiers: 96 tokens held in 8 bits, 2 reserved table rows (512 B per kv-head), 152 B a token
-        # (an entry counted in the low tier: 4/2 bits, 100 KB being under 14% of a 16-bit cache of the context)
-        ("100KB", None, "EvictingKVCache", (5, 3), (100_000 - 96 * 320 - 4 * 512) // 152 + 32),
+        # precision tiers: 96 tokens held in 8 bits, 2 reserved table rows (512 B per kv-head), 168 B a token
+        # (an entry counted in the low tier: 4/3 bits, 100 KB being under 14% of a 16-bit cache of the context)
+        ("100KB", None, "EvictingKVCache", (5, 3), (100_000 - 96 * 320 - 4 * 512) // 168 + 32),
         ("100KB", 4, "QuantizedEvictingKVCache", 4, (100_000 - 32 * 1024) // 192 + 32),  # window in float32
         ("512", None, "EvictingKVCache", None, 512),
     ],
