@@ -133,7 +133,7 @@ def test_eight_bit_layers_spell_and_check_like_every_storage_option():
         KVStorage.of(None, eight_bit_layers=(18,), names=FLAGS)
     with pytest.raises(ValueError, match="distinct layer indices"):
         KVStorage.of((5, 3), eight_bit_layers=(3, 3))
-    with pytest.raises(ValueError, match="the model has layers 0 to 3"):
+    with pytest.raises(ValueError, match="no layer 4 to hold in 8 bits: the model has layers 0 to 3"):
         make_cache(model64(), "default", 512, kv_bits=(5, 3), window_bits=8, eight_bit_layers=(4,))
 
 
@@ -164,7 +164,7 @@ def test_the_calibrate_command_measures_saves_and_shows(tmp_path, cache_home, ca
     [
         (["--eight-bit-layers", "1"], "--eight-bit-layers 1 needs the other layers under 8 bits, such as --kv-bits 5,3"),
         (["--kv-bits", "5,3", "--eight-bit-layers", "x"], "--eight-bit-layers x is not layer numbers; write them like 18,20"),
-        (["--kv-bits", "5,3", "--window-bits", "8", "--eight-bit-layers", "9"], "the model has layers 0 to 1"),
+        (["--kv-bits", "5,3", "--window-bits", "8", "--eight-bit-layers", "9"], "no layer 9 to hold in 8 bits: the model has layers 0 to 1"),
     ],
 )
 def test_the_eight_bit_layers_flag_fails_in_one_line(tmp_path, capsys, monkeypatch, flags, message):
