@@ -32,7 +32,7 @@ import mlx.nn as nn
 
 from .caches import REFERENCE, check_budget, release
 from .long_feed import budget_for, build, build_batches, feed, fork, kv_fraction, tail_logits
-from .long_runs import CHOSEN, PRODUCT_STORAGE, SEEDS, LongConfig, Run, config_json
+from .long_runs import CHOSEN, PRODUCT, SEEDS, LongConfig, Run, config_json
 from .long_score import (
     Outcome,
     describe_batches,
@@ -56,6 +56,27 @@ def product_storage(model: nn.Module, fraction: float) -> str:
     return "default" + tiers_storage(fraction, DEFAULT_GROUP_SIZE, calibrated_layers(model)).suffix
 
 
+def split_runs(
+    model: nn.Module, config: LongConfig, split: str, chosen: dict[float, str], skipped: list[dict[str, Any]]
+) -> tuple[list[Run], set[Run]]:
+    """The runs of ``split`` by the storage each names (:data:`CHOSEN` and :data:`PRODUCT` resolved, repeats
+    dropped), and those picked on the tuning half; a chosen run without a tuning result goes to ``skipped``."""
+    runs: list[Run] = []
+    picked: set[Run] = set()
+    for r in config.runs(split):
+        if r.cache == CHOSEN and r.fraction not in chosen:
+            skipped.append({"split": split, "run": r.label, "reason": "no tuning result: run the tuning half first"})
+            continue
+        if r.cache == CHOSEN:
+            r = Run(chosen[r.fraction], r.budget_of, r.fraction, r.protocol)
+            picked.add(r)
+        if r.cache == PRODUCT:
+            r = Run(product_storage(model, r.fraction), r.budget_of, r.fraction, r.protocol)
+        if r not in runs:
+            runs.append(r)
+    return runs, picked
+
+
 def run_split(
     model: nn.Module,
     tokenizer: Any,
@@ -73,18 +94,7 @@ def run_split(
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     result = {"split": split, "seed": SEEDS[split], "rows": rows, "skipped": skipped, "tasks": describe_batches(batches)}
-    runs, picked = [], set()
-    for r in config.runs(split):
-        if r.cache == CHOSEN and r.fraction not in chosen:
-            skipped.append({"split": split, "run": r.label, "reason": "no tuning result: run the tuning half first"})
-            continue
-        if r.cache == CHOSEN:
-            r = Run(chosen[r.fraction], r.budget_of, r.fraction, r.protocol)
-            picked.add(r)
-        if r.cache == PRODUCT_STORAGE and r.budget_of == "memory":
-            r = Run(product_storage(model, r.fraction), r.budget_of, r.fraction, r.protocol)
-        if r not in runs:
-            runs.append(r)
+    runs, picked = split_runs(model, config, split, chosen, skipped)
     refs: dict[str, Outcome] = {}
     held: dict[tuple[str, str], list[Any]] = {}  # compress-mode prefill per (cache, batch)
     for run in runs:

@@ -15,7 +15,7 @@ MEMORY_FRACTIONS = (0.25, 0.125)
 SEEDS = {"tuning": 0, "test": 1}
 SPLITS = tuple(SEEDS)  # in the order they run
 CHOSEN = "chosen"  # the test half's name for the storage the tuning half picked
-PRODUCT_STORAGE = "default:k5v3w8c64l32"  # the memory-budget rule's storage today (precision tiers)
+PRODUCT = "product"  # the memory rule's storage at each share (long_eval.product_storage); a variant named as a storage stays that storage
 ONE_TIER = "default:k5v3w8c64"  # the rule before the tiers: one 5/3 tier, keys per channel, then eviction
 PARTS = ("baselines", "policies", "compress", "memory", "chosen")  # "variants": also every simulated storage
 # The default run: what the targets compare at 25% and 12.5% of the bytes, sized to the ~30 min asked: 31 min on an
@@ -98,9 +98,9 @@ class LongConfig:
     def runs(self, split: str) -> list[Run]:
         """The tuning half: the default policy and every storage candidate per memory budget.
         The test half: mlx-lm's caches, every policy per token budget and protocol, and the picked storage."""
-        mem = [Run(c, "memory", f) for f in self.memory_fractions for c in ("default", PRODUCT_STORAGE)]
+        mem = [Run(c, "memory", f) for f in self.memory_fractions for c in ("default", PRODUCT)]
         if split == "tuning":
-            storages = (*(("default", PRODUCT_STORAGE) if "memory" in self.parts else ()), *self.variants)
+            storages = (*(("default", PRODUCT) if "memory" in self.parts else ()), *self.variants)
             return [Run(REFERENCE), *(Run(c, "memory", f) for f in self.memory_fractions for c in storages)]
         groups = {
             "baselines": [Run(b) for b in self.baselines] + [Run("rotating", "tokens", f) for f in self.token_fractions],

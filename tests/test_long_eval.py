@@ -153,13 +153,14 @@ def test_long_suite_end_to_end_structure(model, tmp_path):
     results = le.run_long(model, TOK, config, labels.append)
     assert set(results["splits"]) == {"tuning", "test"}
     assert len(labels) == sum(len(s["rows"]) for s in results["splits"].values()) <= long_runs.total_runs(config)
-    assert results["chosen"]["0.25"] in ("default", long_runs.PRODUCT_STORAGE, "tiers-k3v2")
+    product = le.product_storage(model, 0.25)  # the memory rule's storage at 25%: the tiers (no calibration here)
+    assert product == "default:k5v3w8c64l32" and results["chosen"]["0.25"] in ("default", product, "tiers-k3v2")
     test = results["splits"]["test"]
     tuned = {L for r in results["splits"]["tuning"]["rows"] for L in r["retrieval_by_length"]}
     assert tuned == {str(LENGTH - 100)} and {L for r in test["rows"] for L in r["retrieval_by_length"]} == {str(LENGTH)}
     keys = {(r["cache"], r["protocol"], r["budget_of"]) for r in test["rows"]}
     assert {("kvcache", "stream", None), ("quantized4", "stream", None), ("rotating", "stream", "tokens"),
-            ("default", "compress", "tokens"), (long_runs.PRODUCT_STORAGE, "stream", "memory")} <= keys  # fmt: skip
+            ("default", "compress", "tokens"), (product, "stream", "memory")} <= keys  # fmt: skip
     assert sum(r["picked_on_tuning"] for r in test["rows"]) == 1
     for row in test["rows"]:
         assert row["retrieval"][1] == test["rows"][0]["retrieval"][1]  # the full cache's answers, for every row
@@ -224,7 +225,7 @@ def test_quick_long_eval_on_the_real_model(smollm_path, tmp_path):
     # At 25% of the bytes the product's row carries the demo model's shipped calibration (its layers in 8 bits).
     layers = calibrated_layers(smollm_path)
     assert layers, "the demo model's calibration ships in mlxevict/calibrations/"
-    product = long_runs.PRODUCT_STORAGE + "e" + ".".join(map(str, layers))
+    product = "default:k5v3w8c64l32e" + ".".join(map(str, layers))
     assert set(rows) == {"kvcache", "default", product}
     assert rows[product]["kv_fraction_16bit"] <= 0.25
     assert (tmp_path / "long_test.png").stat().st_size > 0
@@ -248,3 +249,15 @@ def test_the_product_row_is_what_the_memory_rule_plans(model, fraction):
     budget = f"{int(fraction * context * kv_shape(model, 2).bytes_per_token)}B"
     planned = plan_cache(model, budget, expected_tokens=context).storage
     assert le.product_storage(model, fraction) == "default" + planned.suffix
+
+
+def test_a_variant_named_as_a_storage_stays_that_storage(model):
+    """The product row follows the rule per share; a variant spelled like the rule's storage at another share is
+    still run as written (it was once replaced by the product's storage and dropped as a repeat)."""
+    tiers = "default:k5v3w8c64l32"
+    config = long_runs.LongConfig(parts=("memory",), variants=(tiers,), memory_fractions=(0.25, 0.125))
+    runs, picked = le.split_runs(model, config, "tuning", {}, skipped := [])
+    names = {(r.cache, r.fraction) for r in runs}
+    product = le.product_storage(model, 0.125)
+    assert product != tiers and {(tiers, 0.125), (product, 0.125), (tiers, 0.25), ("default", 0.125)} <= names
+    assert len(runs) == len(set(runs)) and not picked and not skipped  # the 25% product is the tiers: run once
