@@ -15,7 +15,9 @@ MEMORY_FRACTIONS = (0.25, 0.125)
 SEEDS = {"tuning": 0, "test": 1}
 SPLITS = tuple(SEEDS)  # in the order they run
 CHOSEN = "chosen"  # the test half's name for the storage the tuning half picked
-PRODUCT = "product"  # the memory rule's storage at each share (long_eval.product_storage); a variant named as a storage stays that storage
+# The product's row: the memory rule's storage at each share (long_eval.product_storage), resolved per run, so a
+# variant spelled like one of the rule's storages stays the storage it names.
+PRODUCT = "product"
 ONE_TIER = "default:k5v3w8c64"  # the rule before the tiers: one 5/3 tier, keys per channel, then eviction
 PARTS = ("baselines", "policies", "compress", "memory", "chosen")  # "variants": also every simulated storage
 # The default run: what the targets compare at 25% and 12.5% of the bytes, sized to the ~30 min asked: 31 min on an

@@ -103,9 +103,9 @@ def make_cache(
         warnings.warn(note, stacklevel=2)
     options: dict[str, Any] = dict(sinks=sinks, window=window, slack=slack, prompt_mode=prompt_mode, pinned=pinned)
     eight = plan.storage.eight_bit_layers
-    if eight and max(eight) >= len(model.layers):
-        beyond = ", ".join(str(i) for i in eight if i >= len(model.layers))
-        raise ValueError(f"no layer {beyond} to hold in 8 bits: the model has layers 0 to {len(model.layers) - 1}")
+    beyond = [str(i) for i in eight if i >= len(model.layers)]
+    if beyond:
+        raise ValueError(f"no layer {', '.join(beyond)} to hold in 8 bits: the model has layers 0 to {len(model.layers) - 1}")
     layer_storage = {i: plan.storage.eight_bit if i in eight else plan.storage.uniform for i in range(len(model.layers))}
     caches = [layer_cache(policy, plan.tokens, layer_storage[i], options, policy_kwargs) for i in range(len(model.layers))]
     patch(model)
