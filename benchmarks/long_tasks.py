@@ -175,10 +175,14 @@ def _find(tokens: list[int], part: list[int]) -> int:
 
 
 def make_long_texts(tokenizer: Any, n: int, length: int, split: str, seed: int) -> list[list[int]]:
-    """``n`` natural texts of exactly ``length`` tokens, each led by a different source of ``split``."""
-    out = []
+    """``n`` natural texts of exactly ``length`` tokens from ``split``, no two led by the same part.
+
+    The sources take turns leading; the text after the lead part is seeded.
+    """
+    out, sources = [], len(prose.sources(split))
     for i in range(n):
-        tokens = encode(tokenizer, prose.stream(split, seed * 1000 + 500 + i, length * 8, first_source=i))
+        text = prose.stream(split, seed * 1000 + 500 + i, length * 8, first_source=i, lead=i // sources)
+        tokens = encode(tokenizer, text)
         if len(tokens) < length:
             raise ValueError(f"natural text has {len(tokens)} tokens, fewer than the {length} needed")
         out.append(tokens[:length])

@@ -6,14 +6,17 @@ Three sources, all inside every Python (Linux, macOS, Windows):
 - ``docstrings``: the docstrings of common standard-library modules, their classes and functions;
 - ``license``: Python's ``LICENSE.txt`` (its history and terms, in prose).
 
-Each source is cut into documents (a topic, a module, the licence), and each document
-belongs to exactly one half, by a hash of its name: texts of the tuning half never
-appear in the test half, whatever the seed.
+Each source is cut into documents (a topic, a module, the licence), and a document longer
+than :data:`PART_CHARS` into parts at paragraph ends. Each part belongs to exactly one half:
+the first by a hash of the document's name, the next ones alternating, so that a long
+document (the licence is the only one of its source) lends text of its kind to both
+halves. Texts of the tuning half never appear in the test half, whatever the seed.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 import random
 import sysconfig
@@ -30,6 +33,7 @@ DOCSTRING_MODULES = (
     "zipfile", "textwrap", "difflib", "fractions", "ipaddress", "smtplib", "sched", "queue", "selectors",
 )  # fmt: skip
 MIN_PARAGRAPH = 120  # characters: shorter paragraphs are headings, signatures or list items
+PART_CHARS = 3000  # characters: a longer document is cut into parts of about equal size
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,23 @@ class Document:
     source: str
     name: str
     text: str
+    part: int = 0
 
     @property
     def split(self) -> str:
-        """``"tuning"`` or ``"test"``: fixed by the document's name, never by a seed."""
-        return SPLITS[zlib.crc32(f"{self.source}:{self.name}".encode()) % 2]
+        """``"tuning"`` or ``"test"``: fixed by the document's name and part, never by a seed."""
+        return SPLITS[(zlib.crc32(f"{self.source}:{self.name}".encode()) + self.part) % 2]
+
+
+def cut(text: str, size: int = PART_CHARS) -> list[str]:
+    """``text`` in ``ceil(len / size)`` parts of about equal length, cut at the paragraph
+    ends nearest to equal shares (a part may run past ``size`` by part of a paragraph)."""
+    paragraphs = text.split("\n\n")
+    ends = list(itertools.accumulate(len(p) + 2 for p in paragraphs))
+    n = -(-len(text) // size)
+    cuts = sorted({min(range(len(ends)), key=lambda j: abs(ends[j] - k * len(text) / n)) + 1 for k in range(1, n)})
+    bounds = [0, *[c for c in cuts if c < len(paragraphs)], len(paragraphs)]
+    return ["\n\n".join(paragraphs[a:b]) for a, b in zip(bounds, bounds[1:]) if a < b]
 
 
 def prose(text: str) -> str:
@@ -105,27 +121,46 @@ def documents(split: str) -> tuple[Document, ...]:
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; choose one of {SPLITS}")
-    by_source = [[d for d in load() if d.text and d.split == split] for load in (_pydoc, _docstrings, _license)]
+    by_source = [
+        [part for d in load() if d.text for part in _parts(d) if part.split == split]
+        for load in (_pydoc, _docstrings, _license)
+    ]
     out: list[Document] = []
     for i in range(max(map(len, by_source))):
         out += [docs[i] for docs in by_source if i < len(docs)]
     return tuple(out)
 
 
+def _parts(doc: Document) -> list[Document]:
+    return [Document(doc.source, doc.name, text, k) for k, text in enumerate(cut(doc.text))]
+
+
 def sources(split: str) -> list[str]:
     return sorted({d.source for d in documents(split)})
 
 
-def stream(split: str, seed: int, min_chars: int, first_source: int = 0) -> str:
+def stream(split: str, seed: int, min_chars: int, first_source: int = 0, lead: int | None = None) -> str:
     """Documents of ``split`` in a seeded order, starting with source ``first_source`` (mod #sources).
 
+    ``lead``: start with that source's ``lead``-th part in an order fixed by the split alone,
+    so that texts asked with leads 0, 1, ... never start alike; ``None``: a seeded part.
     Joined until they hold ``min_chars`` characters; documents repeat only if the half runs out.
+
+    Raises:
+        ValueError: the source has no ``lead``-th part in this half.
     """
     docs = list(documents(split))
     random.Random(f"prose-{split}-{seed}").shuffle(docs)
     names = sorted({d.source for d in docs})
-    lead = names[first_source % len(names)]
-    docs.sort(key=lambda d: d.source != lead)  # stable: the seeded order within each group
+    source = names[first_source % len(names)]
+    docs.sort(key=lambda d: d.source != source)  # stable: the seeded order within each group
+    if lead is not None:
+        group = [d for d in documents(split) if d.source == source]
+        random.Random(f"prose-{split}-lead").shuffle(group)
+        if lead >= len(group):
+            raise ValueError(f"the {split} half has {len(group)} parts of {source}; a text led by part {lead + 1} needs more")
+        docs.remove(group[lead])
+        docs.insert(0, group[lead])
     parts, size, i = [], 0, 0
     while size < min_chars:
         text = docs[i % len(docs)].text

@@ -34,11 +34,23 @@ def model():
 
 
 # ---- prose and tasks ------------------------------------------------------------------
-def test_tuning_and_test_halves_share_no_document_and_each_has_several_sources():
+def test_tuning_and_test_halves_share_no_part_and_each_has_every_source():
     tuning, test = prose.documents("tuning"), prose.documents("test")
-    assert not {(d.source, d.name) for d in tuning} & {(d.source, d.name) for d in test}
-    assert len(prose.sources("tuning")) >= 2 and len(prose.sources("test")) >= 2
+    assert not {(d.source, d.name, d.part) for d in tuning} & {(d.source, d.name, d.part) for d in test}
+    assert prose.sources("tuning") == prose.sources("test") == ["docstrings", "license", "pydoc"]
     assert not {d.text for d in tuning} & {d.text for d in test}
+    # the licence is one document: its parts alternate between the halves
+    assert {d.part % 2 for d in tuning if d.source == "license"} != {d.part % 2 for d in test if d.source == "license"}
+
+
+def test_a_long_document_is_cut_at_paragraph_ends_into_about_equal_parts():
+    paragraphs = [f"paragraph {i} " + "word " * (20 + 7 * (i % 5)) for i in range(40)]
+    text = "\n\n".join(paragraphs)
+    parts = prose.cut(text, size=1000)
+    assert len(parts) == -(-len(text) // 1000)
+    assert "\n\n".join(parts) == text
+    assert max(map(len, parts)) < 1.3 * min(map(len, parts))
+    assert prose.cut("short text", size=1000) == ["short text"]
 
 
 def test_a_missing_source_is_one_clear_error(monkeypatch, tmp_path):
@@ -66,7 +78,7 @@ def test_long_rows_hide_the_facts_in_the_streamed_text():
         assert all(d * LENGTH >= long_tasks.FIRST_FACT_AFTER for d in row.depths)
         assert row.depths == sorted(row.depths)
     spread = rows[1].depths  # three pass keys
-    assert spread[-1] - spread[0] > 0.5
+    assert spread[-1] - spread[0] > 0.4  # asked 0.15 to 0.85; a fact goes to a sentence end
     other = long_tasks.make_long_rows(TOK, LENGTH, "test", seed=1)
     assert all(a.tokens != b.tokens for a, b in zip(rows, other))
 
@@ -75,6 +87,14 @@ def test_long_texts_come_from_the_asked_half():
     texts = long_tasks.make_long_texts(TOK, 2, 600, "test", seed=1)
     assert all(len(t) == 600 for t in texts) and texts[0] != texts[1]
     assert TOK.decode(texts[0])[:200] in "\n\n".join(d.text for d in prose.documents("test"))
+
+
+def test_more_texts_than_sources_never_repeat_a_text():
+    texts = long_tasks.make_long_texts(TOK, 6, 600, "test", seed=1)
+    assert len({TOK.decode(t)[:300] for t in texts}) == 6
+    license_parts = sum(d.source == "license" for d in prose.documents("test"))
+    with pytest.raises(ValueError, match=f"has {license_parts} parts of license"):
+        long_tasks.make_long_texts(TOK, 3 * license_parts + 3, 600, "test", seed=1)
 
 
 def test_choose_storage_uses_retrieval_first_then_kl():
