@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -12,7 +12,7 @@ import mlx.nn as nn
 from . import storage_variants as sv
 from .caches import CacheSettings, entries_within, kv_bytes_16bit, layer_kv_bytes_per_token, make_caches, split_storage
 from .long_runs import SEEDS, LongConfig, Run
-from .long_tasks import LongRow, make_long_rows, make_long_texts
+from .long_tasks import LongRow, make_long_rows, make_long_texts, text_leads
 
 
 @dataclass
@@ -23,6 +23,7 @@ class Batch:
     tokens: mx.array  # B, L
     tail: int
     rows: list[LongRow]  # empty for fidelity
+    leads: list[str] = field(default_factory=list)  # fidelity: the source leading each text
 
 
 def build_batches(tokenizer: Any, config: LongConfig, split: str) -> list[Batch]:
@@ -33,7 +34,8 @@ def build_batches(tokenizer: Any, config: LongConfig, split: str) -> list[Batch]
         batches.append(Batch(f"retrieval {L}", mx.array([r.tokens for r in rows]), min(r.question_start for r in rows), rows))
     if config.fidelity_texts:
         texts = make_long_texts(tokenizer, config.fidelity_texts, config.fidelity_length, split, seed)
-        batches.append(Batch("fidelity", mx.array(texts), config.fidelity_length - config.fidelity_scored, []))
+        leads = text_leads(config.fidelity_texts, split)
+        batches.append(Batch("fidelity", mx.array(texts), config.fidelity_length - config.fidelity_scored, [], leads))
     return batches
 
 

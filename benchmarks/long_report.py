@@ -41,6 +41,17 @@ def split_table(split: dict[str, Any]) -> str:
     return table(head, body)
 
 
+def text_table(split: dict[str, Any]) -> str:
+    """KL per fidelity text, headed by the source leading each (empty with fewer than two texts)."""
+    leads = next((t.get("leads") for t in split.get("tasks", []) if t["batch"] == "fidelity"), None)
+    rows = [r for r in split["rows"] if r.get("fidelity_kl_by_text") and r["fraction"] is not None]
+    if not leads or len(leads) < 2 or not rows:
+        return ""
+    head = ["cache", "protocol", "budget", *(f"{i + 1}: {s}" for i, s in enumerate(leads))]
+    body = [[_name(r), r["protocol"], _budget(r), *(_num(k, ".4f") for k in r["fidelity_kl_by_text"])] for r in rows]
+    return table(head, body)
+
+
 def ranking(split: dict[str, Any]) -> str:
     """Per budget and protocol, the runs ordered by retrieval answers kept, then by KL (lower first)."""
     groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
@@ -86,6 +97,8 @@ def long_markdown(results: dict[str, Any]) -> str:
         out.append(f"## {name} half (seed {split['seed']})\n")
         out.append(split_table(split) + "\n")
         out.append("Ranking (retrieval answers, then KL):\n\n" + ranking(split) + "\n")
+        if texts := text_table(split):
+            out.append("KL per fidelity text (numbered, with the source leading it):\n\n" + texts + "\n")
         out += [f"- skipped {s['run']}: {s['reason']}" for s in split["skipped"]]
     return "\n".join(out) + "\n"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,8 @@ class Outcome:
     top1: float = math.nan
     kl: float = math.nan
     kv_fraction: float = math.nan
+    top1_by_text: list[float] = field(default_factory=list)  # fidelity, per text
+    kl_by_text: list[float] = field(default_factory=list)
 
 
 def score(batch: Batch, logits: mx.array, ref: Outcome | None) -> Outcome:
@@ -38,9 +40,19 @@ def score(batch: Batch, logits: mx.array, ref: Outcome | None) -> Outcome:
         return Outcome(correct=[r.correct(pad + p) for r, p in zip(batch.rows, pred)])
     lp = log_softmax(logits)
     if ref is None:
-        return Outcome(logprobs=lp, top1=1.0, kl=0.0)
-    top1 = (lp.argmax(axis=-1) == ref.logprobs.argmax(axis=-1)).mean().item()
-    return Outcome(top1=top1, kl=kl_divergence(ref.logprobs, lp).mean().item())
+        return _reference(lp)
+    agree = lp.argmax(axis=-1) == ref.logprobs.argmax(axis=-1)  # B, T
+    kl = kl_divergence(ref.logprobs, lp)
+    return Outcome(
+        top1=agree.mean().item(), kl=kl.mean().item(),
+        top1_by_text=agree.mean(axis=-1).tolist(), kl_by_text=kl.mean(axis=-1).tolist(),
+    )  # fmt: skip
+
+
+def _reference(logprobs: mx.array) -> Outcome:
+    """The full cache's fidelity outcome: its own distributions, agreeing with itself."""
+    n = logprobs.shape[0]
+    return Outcome(logprobs=logprobs, top1=1.0, kl=0.0, top1_by_text=[1.0] * n, kl_by_text=[0.0] * n)
 
 
 def reference_path(config: LongConfig, split: str, batch: Batch) -> Path | None:
@@ -61,9 +73,9 @@ def save_reference(path: Path, out: Outcome) -> None:
 def load_reference(path: Path) -> Outcome:
     meta = json.loads(path.with_suffix(".json").read_text())
     npy = path.with_suffix(".npy")
-    logprobs = mx.load(str(npy)) if npy.exists() else None
-    top1, kl = (1.0, 0.0) if logprobs is not None else (math.nan, math.nan)
-    return Outcome(meta["correct"], logprobs, top1, kl, meta["kv_fraction"])
+    if npy.exists():
+        return replace(_reference(mx.load(str(npy))), correct=meta["correct"], kv_fraction=meta["kv_fraction"])
+    return Outcome(meta["correct"], kv_fraction=meta["kv_fraction"])
 
 
 def same_as(run: Run, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -96,6 +108,9 @@ def result_row(run: Run, outcomes: dict[str, Outcome], refs: dict[str, Outcome],
     fid = outcomes.get("fidelity")
     row["fidelity_top1"] = fid.top1 if fid else None
     row["fidelity_kl"] = fid.kl if fid else None
+    if fid and fid.kl_by_text:
+        row["fidelity_top1_by_text"] = fid.top1_by_text
+        row["fidelity_kl_by_text"] = fid.kl_by_text
     fractions = [o.kv_fraction for o in outcomes.values()]
     row["kv_fraction_16bit"] = max(fractions) if fractions else None
     return row
@@ -107,5 +122,6 @@ def describe_batches(batches: list[Batch]) -> list[dict[str, Any]]:
         out.append({
             "batch": b.name, "rows": int(b.tokens.shape[0]), "tokens": int(b.tokens.shape[1]), "tail_from": b.tail,
             "kinds": [r.kind for r in b.rows], "depths": [[round(d, 2) for d in r.depths] for r in b.rows],
+            **({"leads": b.leads} if b.leads else {}),
         })  # fmt: skip
     return out

@@ -174,14 +174,21 @@ def _find(tokens: list[int], part: list[int]) -> int:
     return next(i for i in range(len(tokens) - n + 1) if tokens[i : i + n] == part)
 
 
+def text_leads(n: int, split: str) -> list[str]:
+    """The source leading each of :func:`make_long_texts`' ``n`` texts: the sources in turn."""
+    names = prose.sources(split)
+    return [names[i % len(names)] for i in range(n)]
+
+
 def make_long_texts(tokenizer: Any, n: int, length: int, split: str, seed: int) -> list[list[int]]:
     """``n`` natural texts of exactly ``length`` tokens from ``split``, no two led by the same part.
 
     The sources take turns leading; the text after the lead part is seeded.
     """
-    out, sources = [], len(prose.sources(split))
-    for i in range(n):
-        text = prose.stream(split, seed * 1000 + 500 + i, length * 8, first_source=i, lead=i // sources)
+    out, names = [], prose.sources(split)
+    for i, source in enumerate(text_leads(n, split)):
+        first = names.index(source)
+        text = prose.stream(split, seed * 1000 + 500 + i, length * 8, first_source=first, lead=i // len(names))
         tokens = encode(tokenizer, text)
         if len(tokens) < length:
             raise ValueError(f"natural text has {len(tokens)} tokens, fewer than the {length} needed")

@@ -164,7 +164,7 @@ def test_simulated_storage_holds_its_bytes_and_tiers_evict_only_when_the_low_tie
 # ---- end to end ----------------------------------------------------------------------------
 def test_long_suite_end_to_end_structure(model, tmp_path):
     config = long_runs.LongConfig(
-        lengths=(LENGTH,), tuning_lengths=(LENGTH - 100,), kinds=("passkeys",), fidelity_texts=1, fidelity_length=LENGTH,
+        lengths=(LENGTH,), tuning_lengths=(LENGTH - 100,), kinds=("passkeys",), fidelity_texts=2, fidelity_length=LENGTH,
         fidelity_scored=32,
         policies=("default",), compress_policies=("default",), token_fractions=(0.25,), memory_fractions=(0.25,),
         variants=("tiers-k3v2",), baselines=("quantized4",),
@@ -185,6 +185,10 @@ def test_long_suite_end_to_end_structure(model, tmp_path):
     for row in test["rows"]:
         assert row["retrieval"][1] == test["rows"][0]["retrieval"][1]  # the full cache's answers, for every row
         assert 0 < row["kv_fraction_16bit"] <= 1.0 and row["fidelity_kl"] >= 0
+        by_text = row["fidelity_kl_by_text"]  # the mean over texts of equal length is the row's KL
+        assert len(by_text) == 2 and abs(sum(by_text) / 2 - row["fidelity_kl"]) < 1e-5
+        assert abs(sum(row["fidelity_top1_by_text"]) / 2 - row["fidelity_top1"]) < 1e-5
+    assert next(t for t in test["tasks"] if t["batch"] == "fidelity")["leads"] == ["docstrings", "license"]
     ref = test["rows"][0]
     assert ref["fidelity_top1"] == 1.0 and ref["fidelity_kl"] == 0.0
     paths = long_report.write_long(results, tmp_path)
@@ -192,6 +196,7 @@ def test_long_suite_end_to_end_structure(model, tmp_path):
     md = (tmp_path / "long.md").read_text()
     assert f"Retrieval rows of {LENGTH - 100} (tuning half), {LENGTH} (test half) tokens" in md
     assert "## test half (seed 1)" in md and "Ranking" in md and "(picked on tuning)" in md
+    assert "| cache | protocol | budget | 1: docstrings | 2: license |" in md
     merged = long_report.merge([results, json.loads((tmp_path / "long.json").read_text())])
     assert len(merged["splits"]["test"]["rows"]) == len(test["rows"])
 
