@@ -113,7 +113,7 @@ def _license() -> list[Document]:
 
 @lru_cache(maxsize=None)
 def documents(split: str) -> tuple[Document, ...]:
-    """Every non-empty document of one half (``"tuning"`` or ``"test"``), sources interleaved.
+    """Every non-empty document part of one half (``"tuning"`` or ``"test"``), sources interleaved.
 
     Raises:
         ValueError: an unknown split.
