@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .caches import REFERENCE
 from .long_eval import choose_storage
 from .report import _num, plot_bytes, table, write_json
 
@@ -42,9 +43,10 @@ def split_table(split: dict[str, Any]) -> str:
 
 
 def text_table(split: dict[str, Any]) -> str:
-    """KL per fidelity text, headed by the source leading each (empty with fewer than two texts)."""
+    """KL per fidelity text of every run but the full cache's, headed by the source leading each
+    (empty with fewer than two texts)."""
     leads = next((t.get("leads") for t in split.get("tasks", []) if t["batch"] == "fidelity"), None)
-    rows = [r for r in split["rows"] if r.get("fidelity_kl_by_text") and r["fraction"] is not None]
+    rows = [r for r in split["rows"] if r.get("fidelity_kl_by_text") and r["cache"] != REFERENCE]
     if not leads or len(leads) < 2 or not rows:
         return ""
     head = ["cache", "protocol", "budget", *(f"{i + 1}: {s}" for i, s in enumerate(leads))]

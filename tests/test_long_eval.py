@@ -197,6 +197,7 @@ def test_long_suite_end_to_end_structure(model, tmp_path):
     assert f"Retrieval rows of {LENGTH - 100} (tuning half), {LENGTH} (test half) tokens" in md
     assert "## test half (seed 1)" in md and "Ranking" in md and "(picked on tuning)" in md
     assert "| cache | protocol | budget | 1: docstrings | 2: license |" in md
+    assert md.count("| quantized4 | stream | all |") == 2  # in the half's table and the per-text one
     merged = long_report.merge([results, json.loads((tmp_path / "long.json").read_text())])
     assert len(merged["splits"]["test"]["rows"]) == len(test["rows"])
 
