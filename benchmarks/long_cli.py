@@ -40,6 +40,8 @@ def add_long_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tuning-lengths", type=_ints, default=None,
                    help="long suite: the tuning half's retrieval contexts (default 1024; --long: 1024,2048)")
     p.add_argument("--fidelity-texts", type=int, default=None, help="long suite: 2k-token texts per half (default 2)")
+    p.add_argument("--recall-texts", type=int, default=None,
+                   help="long suite: 2k-token texts per half whose scored tail restates a passage 1-2k tokens back (default 1; 0: none)")
     p.add_argument("--kinds", type=_names, default=None,
                    help="long suite: retrieval kinds (default passkey,passkeys,keyvalue,reasoning)")
     p.add_argument("--instances", type=int, default=None, help="long suite: rows of each task kind per length (default 1)")
@@ -81,7 +83,7 @@ def long_config(args: argparse.Namespace) -> Any:
         quick = LONG
     given = dict(
         lengths=args.lengths, tuning_lengths=args.tuning_lengths or args.lengths,  # --lengths alone: both halves
-        fidelity_texts=args.fidelity_texts, instances=args.instances, kinds=args.kinds, compress_policies=args.compress_policies,
+        fidelity_texts=args.fidelity_texts, recall_texts=args.recall_texts, instances=args.instances, kinds=args.kinds, compress_policies=args.compress_policies,
         token_fractions=args.budgets, compress_fractions=args.budgets, memory_fractions=args.memory_budgets, variants=args.variants,
         baselines=args.baselines, splits=args.splits, parts=args.parts, reference_dir=args.reference_dir,
         policies=None if args.policies in (None, "all") else _names(args.policies),

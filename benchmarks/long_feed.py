@@ -12,7 +12,7 @@ import mlx.nn as nn
 from . import storage_variants as sv
 from .caches import CacheSettings, entries_within, kv_bytes_16bit, layer_kv_bytes_per_token, make_caches, split_storage
 from .long_runs import SEEDS, LongConfig, Run
-from .long_tasks import LongRow, make_long_rows, make_long_texts, text_leads
+from .long_tasks import LongRow, make_long_rows, make_long_texts, make_recall_texts, text_leads
 
 
 @dataclass
@@ -23,7 +23,8 @@ class Batch:
     tokens: mx.array  # B, L
     tail: int
     rows: list[LongRow]  # empty for fidelity
-    leads: list[str] = field(default_factory=list)  # fidelity: the source leading each text
+    leads: list[str] = field(default_factory=list)  # fidelity, recall: the source leading each text
+    restated_from: list[int] = field(default_factory=list)  # recall: where each restated passage starts
 
 
 def build_batches(tokenizer: Any, config: LongConfig, split: str) -> list[Batch]:
@@ -36,6 +37,11 @@ def build_batches(tokenizer: Any, config: LongConfig, split: str) -> list[Batch]
         texts = make_long_texts(tokenizer, config.fidelity_texts, config.fidelity_length, split, seed)
         leads = text_leads(config.fidelity_texts, split)
         batches.append(Batch("fidelity", mx.array(texts), config.fidelity_length - config.fidelity_scored, [], leads))
+    if config.recall_texts:
+        length, scored = config.fidelity_length, config.fidelity_scored
+        texts, starts = make_recall_texts(tokenizer, config.recall_texts, length, scored, split, seed)
+        leads = text_leads(config.recall_texts, split)
+        batches.append(Batch("recall", mx.array(texts), length - scored, [], leads, starts))
     return batches
 
 

@@ -29,13 +29,16 @@ def split_table(split: dict[str, Any]) -> str:
     rows = split["rows"]
     lengths = sorted({k for r in rows for k in r["retrieval_by_length"]}, key=int)
     kinds = sorted({k for r in rows for k in r["retrieval_by_kind"]})
-    head = ["cache", "protocol", "budget", "retrieval", *(f"{L} tok." for L in lengths), *kinds, "top-1", "KL", "KV / 16-bit full"]
+    recall = any(r.get("recall_kl") is not None for r in rows)
+    head = ["cache", "protocol", "budget", "retrieval", *(f"{L} tok." for L in lengths), *kinds, "top-1", "KL",
+            *(("recall top-1", "recall KL") if recall else ()), "KV / 16-bit full"]  # fmt: skip
     body = [
         [
             _name(r), r["protocol"], _budget(r), _answers(r["retrieval"]),
             *(_answers(r["retrieval_by_length"].get(L)) for L in lengths),
             *(_answers(r["retrieval_by_kind"].get(k)) for k in kinds),
-            _num(r["fidelity_top1"]), _num(r["fidelity_kl"], ".4f"), _num(r["kv_fraction_16bit"]),
+            _num(r["fidelity_top1"]), _num(r["fidelity_kl"], ".4f"),
+            *((_num(r.get("recall_top1")), _num(r.get("recall_kl"), ".4f")) if recall else ()), _num(r["kv_fraction_16bit"]),
         ]  # fmt: skip
         for r in rows
     ]
@@ -68,6 +71,16 @@ def ranking(split: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _recall(cfg: dict[str, Any]) -> str:
+    if not cfg.get("recall_texts"):
+        return ""
+    return (
+        f"Recall: {cfg['recall_texts']} text(s) of {cfg['fidelity_length']} tokens whose last {cfg['fidelity_scored']} "
+        "tokens restate, token for token, a passage from 10-30% into the text, scored as fidelity (reported; the "
+        "storage is picked on retrieval and fidelity). "
+    )
+
+
 def _minutes(results: dict[str, Any]) -> str:
     rows = [r for split in results["splits"].values() for r in split["rows"]]
     return f"{sum(r['seconds'] for r in rows) / 60:.0f} min of runs in all, " if rows else ""
@@ -89,7 +102,8 @@ def long_markdown(results: dict[str, Any]) -> str:
         "answer token is the greedy choice under teacher forcing, over the answers the full cache gets. "
         f"Fidelity: the last {cfg['fidelity_scored']} tokens of {cfg['fidelity_texts']} natural texts of "
         f"{cfg['fidelity_length']} tokens, top-1 agreement with the full cache and KL(full ‖ cache) in nats. "
-        f"`stream`: {cfg['chunk']}-token chunks under the budget; `compress`: the context held whole and compressed at "
+        + _recall(cfg)
+        + f"`stream`: {cfg['chunk']}-token chunks under the budget; `compress`: the context held whole and compressed at "
         "the first single-token step. KV / 16-bit full: bytes held as a 16-bit model holds them, relative to a "
         "16-bit full cache (the longest row). Storage picked on the tuning half: "
         + (", ".join(f"{k} of bytes → `{v}`" for k, v in results.get("chosen", {}).items()) or "none")
@@ -98,7 +112,8 @@ def long_markdown(results: dict[str, Any]) -> str:
     for name, split in results["splits"].items():
         out.append(f"## {name} half (seed {split['seed']})\n")
         out.append(split_table(split) + "\n")
-        out.append("Ranking (retrieval answers, then KL):\n\n" + ranking(split) + "\n")
+        if order := ranking(split):
+            out.append("Ranking (retrieval answers, then KL):\n\n" + order + "\n")
         if texts := text_table(split):
             out.append("KL per fidelity text (numbered, with the source leading it):\n\n" + texts + "\n")
         out += [f"- skipped {s['run']}: {s['reason']}" for s in split["skipped"]]

@@ -63,6 +63,7 @@ class LongConfig:
     fidelity_texts: int = 2
     fidelity_length: int = 2048
     fidelity_scored: int = 256
+    recall_texts: int = 1  # texts of fidelity_length whose scored tail restates a passage 1-2k tokens back
     policies: tuple[str, ...] = TEST_POLICIES
     compress_policies: tuple[str, ...] = COMPRESS_POLICIES
     token_fractions: tuple[float, ...] = TOKEN_FRACTIONS

@@ -28,7 +28,7 @@ class Outcome:
     top1: float = math.nan
     kl: float = math.nan
     kv_fraction: float = math.nan
-    top1_by_text: list[float] = field(default_factory=list)  # fidelity, per text
+    top1_by_text: list[float] = field(default_factory=list)  # fidelity and recall, per text
     kl_by_text: list[float] = field(default_factory=list)
 
 
@@ -105,12 +105,13 @@ def result_row(run: Run, outcomes: dict[str, Outcome], refs: dict[str, Outcome],
     row["retrieval_accuracy"] = sum(kept) / len(kept) if kept else None
     row["retrieval_by_length"] = {k: [sum(v), len(v)] for k, v in by_length.items()}
     row["retrieval_by_kind"] = {k: [sum(v), len(v)] for k, v in by_kind.items()}
-    fid = outcomes.get("fidelity")
-    row["fidelity_top1"] = fid.top1 if fid else None
-    row["fidelity_kl"] = fid.kl if fid else None
-    if fid and fid.kl_by_text:
-        row["fidelity_top1_by_text"] = fid.top1_by_text
-        row["fidelity_kl_by_text"] = fid.kl_by_text
+    for name in ("fidelity", "recall"):
+        out = outcomes.get(name)
+        row[f"{name}_top1"] = out.top1 if out else None
+        row[f"{name}_kl"] = out.kl if out else None
+        if out and out.kl_by_text:
+            row[f"{name}_top1_by_text"] = out.top1_by_text
+            row[f"{name}_kl_by_text"] = out.kl_by_text
     fractions = [o.kv_fraction for o in outcomes.values()]
     row["kv_fraction_16bit"] = max(fractions) if fractions else None
     return row
@@ -122,6 +123,6 @@ def describe_batches(batches: list[Batch]) -> list[dict[str, Any]]:
         out.append({
             "batch": b.name, "rows": int(b.tokens.shape[0]), "tokens": int(b.tokens.shape[1]), "tail_from": b.tail,
             "kinds": [r.kind for r in b.rows], "depths": [[round(d, 2) for d in r.depths] for r in b.rows],
-            **({"leads": b.leads} if b.leads else {}),
+            **({"leads": b.leads} if b.leads else {}), **({"restated_from": b.restated_from} if b.restated_from else {}),
         })  # fmt: skip
     return out

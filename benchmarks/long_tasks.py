@@ -13,7 +13,9 @@ Kinds (one row each per length and instance):
 - ``reasoning``: the user's document, then the assistant's reasoning (teacher-forced
   generated text) which states a result code; a new user turn asks for it.
 
-Fidelity rows are plain prose of the same half, scored over their last tokens.
+Fidelity rows are plain prose of the same half, scored over their last tokens. Recall rows
+(:func:`make_recall_texts`) are prose whose scored tail restates, token for token, a passage
+1-2k tokens back, as a chain of thought goes back over its own earlier steps.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ KINDS = ("passkey", "passkeys", "keyvalue", "reasoning")
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 DOORS = ("red", "blue", "green")
 FIRST_FACT_AFTER = 80  # tokens: facts come after the first streamed chunk (which a policy may pin)
+RECALL_CUE = "\n\nLet me go back and restate an earlier passage word for word:\n\n"
+RECALL_FROM = (0.1, 0.3)  # where the restated passage starts, as a share of the text (cycled over the texts)
 INSTRUCTION = "Read the text below carefully. I will ask you about details in it afterwards.\n\n"
 
 
@@ -194,3 +198,35 @@ def make_long_texts(tokenizer: Any, n: int, length: int, split: str, seed: int) 
             raise ValueError(f"natural text has {len(tokens)} tokens, fewer than the {length} needed")
         out.append(tokens[:length])
     return out
+
+
+def make_recall_texts(tokenizer: Any, n: int, length: int, scored: int, split: str, seed: int) -> tuple[list[list[int]], list[int]]:
+    """``n`` texts of exactly ``length`` tokens whose last ``scored`` tokens restate an earlier passage.
+
+    Each text is natural prose of ``split`` (the sources in turn, seeded apart from the fidelity
+    texts), then :data:`RECALL_CUE`, then a copy of the ``scored`` prose tokens that start at the
+    first sentence end past a share :data:`RECALL_FROM` of the text: at 2k tokens the passage
+    restated is 1.1k-1.6k tokens back. Scored like fidelity, the tail asks whether the cache
+    still holds what a long chain of thought goes back to.
+
+    Returns:
+        The texts, and the position where each restated passage starts.
+
+    Raises:
+        ValueError: ``length`` too short to hold a passage of ``scored`` tokens and its copy.
+    """
+    cue = encode(tokenizer, RECALL_CUE)
+    room = length - scored - len(cue)
+    texts, starts = [], []
+    for i in range(n):
+        text = prose.stream(split, seed * 1000 + 700 + i, room * 8, first_source=i)
+        filler = encode(tokenizer, text)[:room]
+        if len(filler) < room:
+            raise ValueError(f"natural text has {len(filler)} tokens, fewer than the {room} needed")
+        depth = max(FIRST_FACT_AFTER, int(RECALL_FROM[i % len(RECALL_FROM)] * length))
+        start = next((e for e in _sentence_ends(tokenizer, filler) if e >= depth), depth)
+        if start + scored > room:
+            raise ValueError(f"{length} tokens cannot hold a {scored}-token passage and its restatement; raise the length")
+        texts.append(filler + cue + filler[start : start + scored])
+        starts.append(start)
+    return texts, starts

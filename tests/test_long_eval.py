@@ -97,6 +97,20 @@ def test_more_texts_than_sources_never_repeat_a_text():
         long_tasks.make_long_texts(TOK, 3 * license_parts + 3, 600, "test", seed=1)
 
 
+def test_recall_texts_restate_an_earlier_passage_token_for_token():
+    texts, starts = long_tasks.make_recall_texts(TOK, 2, LENGTH, 100, "test", seed=1)
+    assert (texts, starts) == long_tasks.make_recall_texts(TOK, 2, LENGTH, 100, "test", seed=1)
+    cue = tasks.encode(TOK, long_tasks.RECALL_CUE)
+    for text, start, share in zip(texts, starts, long_tasks.RECALL_FROM):
+        assert len(text) == LENGTH and text[-100:] == text[start : start + 100]
+        assert text[-100 - len(cue) : -100] == cue
+        assert start >= share * LENGTH and TOK.decode([text[start - 1]]).rstrip().endswith((".", "\n"))
+    assert starts[0] < starts[1] and texts[0][:300] != texts[1][:300]
+    assert all(texts[0][:300] != t[:300] for t in long_tasks.make_long_texts(TOK, 2, LENGTH, "test", seed=1))
+    with pytest.raises(ValueError, match="cannot hold a 300-token passage and its restatement"):
+        long_tasks.make_recall_texts(TOK, 1, 500, 300, "test", seed=1)
+
+
 def test_choose_storage_uses_retrieval_first_then_kl():
     rows = [
         {"cache": "a", "budget_of": "memory", "fraction": 0.25, "retrieval_accuracy": 1.0, "fidelity_kl": 0.05},
@@ -189,14 +203,19 @@ def test_long_suite_end_to_end_structure(model, tmp_path):
         assert len(by_text) == 2 and abs(sum(by_text) / 2 - row["fidelity_kl"]) < 1e-5
         assert abs(sum(row["fidelity_top1_by_text"]) / 2 - row["fidelity_top1"]) < 1e-5
     assert next(t for t in test["tasks"] if t["batch"] == "fidelity")["leads"] == ["docstrings", "license"]
+    recall = next(t for t in test["tasks"] if t["batch"] == "recall")
+    assert recall["rows"] == 1 and recall["tail_from"] == LENGTH - 32 and len(recall["restated_from"]) == 1
     ref = test["rows"][0]
-    assert ref["fidelity_top1"] == 1.0 and ref["fidelity_kl"] == 0.0
+    assert ref["fidelity_top1"] == ref["recall_top1"] == 1.0 and ref["fidelity_kl"] == ref["recall_kl"] == 0.0
+    assert all(r["recall_kl"] >= 0 and 0 <= r["recall_top1"] <= 1 for r in test["rows"])
+    assert any(r["recall_kl"] > 0 for r in test["rows"])
     paths = long_report.write_long(results, tmp_path)
     assert {p.name for p in paths} == {"long.json", "long.md", "long_tuning.png", "long_test.png"}
     md = (tmp_path / "long.md").read_text()
     assert f"Retrieval rows of {LENGTH - 100} (tuning half), {LENGTH} (test half) tokens" in md
     assert "## test half (seed 1)" in md and "Ranking" in md and "(picked on tuning)" in md
     assert "| cache | protocol | budget | 1: docstrings | 2: license |" in md
+    assert "| top-1 | KL | recall top-1 | recall KL |" in md and "Recall: 1 text(s)" in md
     assert md.count("| quantized4 | stream | all |") == 2  # in the half's table and the per-text one
     merged = long_report.merge([results, json.loads((tmp_path / "long.json").read_text())])
     assert len(merged["splits"]["test"]["rows"]) == len(test["rows"])
@@ -208,9 +227,10 @@ def test_the_full_caches_outcome_round_trips_through_the_reference_dir(model, tm
         splits=("test",), parts=(), reference_dir=str(tmp_path),
     )  # fmt: skip
     first = le.run_long(model, TOK, config)["splits"]["test"]["rows"][0]
-    assert len(list(tmp_path.glob("test-*.json"))) == 2 and len(list(tmp_path.glob("test-fidelity-*.npy"))) == 1
+    assert len(list(tmp_path.glob("test-*.json"))) == 3 and len(list(tmp_path.glob("test-fidelity-*.npy"))) == 1
+    assert len(list(tmp_path.glob("test-recall-*.npy"))) == 1
     again = le.run_long(model, TOK, config)["splits"]["test"]["rows"][0]
-    assert again["retrieval"] == first["retrieval"] and again["fidelity_kl"] == 0.0
+    assert again["retrieval"] == first["retrieval"] and again["fidelity_kl"] == again["recall_kl"] == 0.0
 
 
 def test_eval_parser_defaults_to_the_long_suite_and_rejects_short_options():
