@@ -84,6 +84,10 @@ class LongConfig:
         from .caches import UNBUDGETED, check_cache
         from .storage_variants import VARIANTS
 
+        for flag, n, least in (("--fidelity-texts", self.fidelity_texts, 0), ("--recall-texts", self.recall_texts, 0),
+                               ("--instances", self.instances, 1)):
+            if n < least:
+                raise MlxEvictError(f"{flag} {n}: give {least} or more")
         for flag, names, known in (("--kinds", self.kinds, KINDS), ("--splits", self.splits, SPLITS),
                                    ("--parts", self.parts, (*PARTS, "variants")), ("--baselines", self.baselines, UNBUDGETED)):
             for name in names:

@@ -316,7 +316,7 @@ def test_an_eight_bit_layer_is_measured_at_the_bytes_of_the_cache_alone(model):
     from mlxevict.benchmarks.long_runs import LongConfig
 
     config = LongConfig(lengths=(700,), tuning_lengths=(700,), kinds=("passkey",), fidelity_texts=1,
-                        fidelity_length=320, fidelity_scored=64)  # fmt: skip
+                        fidelity_length=320, fidelity_scored=64, recall_texts=0)  # fmt: skip
     rows = layer_probe.eight_bit_layer(model, TOK, "default", 0.5, 0, config)
     assert [(r["batch"], "8-bit" in r["setting"]) for r in rows] == [
         ("retrieval 700", False), ("retrieval 700", True), ("fidelity", False), ("fidelity", True)]

@@ -253,6 +253,11 @@ def test_eval_parser_defaults_to_the_long_suite_and_rejects_short_options():
     assert long_cli.long_config(parser.parse_args(["eval", "demo", "--long", "--lengths", "4096"])).lengths == (4096,)
     with pytest.raises(ValueError, match="--long and --quick: choose one"):
         long_cli.long_config(parser.parse_args(["eval", "demo", "--long", "--quick"]))
+    with pytest.raises(ValueError, match="--recall-texts -1: give 0 or more"):
+        long_cli.long_config(parser.parse_args(["eval", "demo", "--recall-texts", "-1"]))
+    with pytest.raises(ValueError, match="--instances 0: give 1 or more"):
+        long_cli.long_config(parser.parse_args(["eval", "demo", "--instances", "0"]))
+    assert long_cli.long_config(parser.parse_args(["eval", "demo", "--recall-texts", "0"])).recall_texts == 0
     with pytest.raises(ValueError, match="--memory belongs to the 512-token suite: add --suite short"):
         long_cli.long_config(parser.parse_args(["eval", "demo", "--memory"]))
 
