@@ -7,6 +7,7 @@ from typing import Any
 
 from .caches import REFERENCE
 from .long_eval import choose_storage
+from .long_tasks import RECALL_FROM
 from .report import _num, plot_bytes, table, write_json
 
 
@@ -76,7 +77,8 @@ def _recall(cfg: dict[str, Any]) -> str:
         return ""
     return (
         f"Recall: {cfg['recall_texts']} text(s) of {cfg['fidelity_length']} tokens whose last {cfg['fidelity_scored']} "
-        "tokens restate, token for token, a passage from 10-30% into the text, scored as fidelity (reported; the "
+        f"tokens restate, token for token, a passage from {min(RECALL_FROM):.0%}-{max(RECALL_FROM):.0%} into the text, "
+        "scored as fidelity (reported; the "
         "storage is picked on retrieval and fidelity). "
     )
 

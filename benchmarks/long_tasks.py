@@ -179,9 +179,18 @@ def _find(tokens: list[int], part: list[int]) -> int:
 
 
 def text_leads(n: int, split: str) -> list[str]:
-    """The source leading each of :func:`make_long_texts`' ``n`` texts: the sources in turn."""
+    """The source leading each of ``n`` natural texts (:func:`make_long_texts`, :func:`make_recall_texts`):
+    the sources in turn."""
     names = prose.sources(split)
     return [names[i % len(names)] for i in range(n)]
+
+
+def _natural(tokenizer: Any, length: int, split: str, seed: int, first_source: int, lead: int | None = None) -> list[int]:
+    """Exactly ``length`` tokens of :func:`.prose.stream`'s prose of ``split``."""
+    tokens = encode(tokenizer, prose.stream(split, seed, length * 8, first_source=first_source, lead=lead))
+    if len(tokens) < length:
+        raise ValueError(f"natural text has {len(tokens)} tokens, fewer than the {length} needed")
+    return tokens[:length]
 
 
 def make_long_texts(tokenizer: Any, n: int, length: int, split: str, seed: int) -> list[list[int]]:
@@ -189,15 +198,11 @@ def make_long_texts(tokenizer: Any, n: int, length: int, split: str, seed: int) 
 
     The sources take turns leading; the text after the lead part is seeded.
     """
-    out, names = [], prose.sources(split)
-    for i, source in enumerate(text_leads(n, split)):
-        first = names.index(source)
-        text = prose.stream(split, seed * 1000 + 500 + i, length * 8, first_source=first, lead=i // len(names))
-        tokens = encode(tokenizer, text)
-        if len(tokens) < length:
-            raise ValueError(f"natural text has {len(tokens)} tokens, fewer than the {length} needed")
-        out.append(tokens[:length])
-    return out
+    names = prose.sources(split)
+    return [
+        _natural(tokenizer, length, split, seed * 1000 + 500 + i, names.index(source), lead=i // len(names))
+        for i, source in enumerate(text_leads(n, split))
+    ]
 
 
 def make_recall_texts(tokenizer: Any, n: int, length: int, scored: int, split: str, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -217,12 +222,10 @@ def make_recall_texts(tokenizer: Any, n: int, length: int, scored: int, split: s
     """
     cue = encode(tokenizer, RECALL_CUE)
     room = length - scored - len(cue)
+    names = prose.sources(split)
     texts, starts = [], []
-    for i in range(n):
-        text = prose.stream(split, seed * 1000 + 700 + i, room * 8, first_source=i)
-        filler = encode(tokenizer, text)[:room]
-        if len(filler) < room:
-            raise ValueError(f"natural text has {len(filler)} tokens, fewer than the {room} needed")
+    for i, source in enumerate(text_leads(n, split)):
+        filler = _natural(tokenizer, room, split, seed * 1000 + 700 + i, names.index(source))
         depth = max(FIRST_FACT_AFTER, int(RECALL_FROM[i % len(RECALL_FROM)] * length))
         start = next((e for e in _sentence_ends(tokenizer, filler) if e >= depth), depth)
         if start + scored > room:
