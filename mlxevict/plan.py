@@ -18,10 +18,13 @@ from .geometry import context_limit, kv_shape
 from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, SPLIT_BITS, KVStorage
 
 KEY_GROUP = 64  # tokens per key scale of the memory rule's per-channel keys (the one measured)
-LOW_BITS = (3, 2)  # the memory rule's low precision tier (docs/tiers.md)
-# Below this share of a 16-bit full cache of the tokens expected, the low tier keeps 4/3 bits instead: where the
-# cache must evict most of the context, 4/3 had the lowest KL at 12.5% in two tuning runs (docs/tiers.md).
-HEAVY_SHARE, HEAVY_LOW_BITS = 0.14, (4, 3)
+# The memory rule's precision tiers, (keys, values) bits of the high tier and of the low tier (docs/tiers.md): a
+# 5/4 high tier kept as many answers or more than 5/3 at 25% and 18.75% on the tuning half, with lower KL.
+TIER_BITS = ((5, 4), (3, 2))
+# Below this share of a 16-bit full cache of the tokens expected, the tiers are 5/3 over 4/3 instead: where the cache
+# must evict most of the context, a 4/3 low tier had the lowest KL at 12.5% in two tuning runs, and a 5/3 high tier
+# over it kept 3 answers of 19 where 5/4 kept 1 (docs/tiers.md).
+HEAVY_SHARE, HEAVY_TIER_BITS = 0.14, (SPLIT_BITS, (4, 3))
 # A model's calibrated layers go to 8 bits when the budget is at least this share of a 16-bit full cache of the
 # tokens expected: on the tuning half they gained at 25% and 18.75%, lost at 15.6% and 12.5% (docs/tiers.md).
 EIGHT_BIT_SHARE = 0.18
@@ -65,12 +68,12 @@ def memory_storage(
 
     The finest storage that holds the model's whole context (its dtype, then 8 bits, then
     keys in 5 bits, values in 3 and the newest tokens in 8: nothing is ever evicted, so
-    nothing is gained by fewer bits); else the same bits with keys quantized per channel
-    over 64 tokens (KIVI, :mod:`mlxevict.channel_storage`) and a low tier of 3/2 bits that
-    the policy's lowest-ranked entries are demoted to before any is evicted
-    (:mod:`mlxevict.tiered_storage`), which the long-context suite's tuning half picked over
-    one 5/3 tier at 25% and 12.5% of a 16-bit cache's bytes (docs/tiers.md); 4/3 bits when the
-    budget is under ``HEAVY_SHARE`` of a 16-bit full cache of ``expected_tokens``; unless its 96
+    nothing is gained by fewer bits); else precision tiers (:func:`tiers_storage`): keys quantized
+    per channel over 64 tokens (KIVI, :mod:`mlxevict.channel_storage`), a high tier of 5/4 bits and
+    a low tier of 3/2 bits that the policy's lowest-ranked entries are demoted to before any is
+    evicted (:mod:`mlxevict.tiered_storage`), which the long-context suite's tuning half picked over
+    one 5/3 tier at 25% and 12.5% of a 16-bit cache's bytes (docs/tiers.md); 5/3 over 4/3 bits when
+    the budget is under ``HEAVY_SHARE`` of a 16-bit full cache of ``expected_tokens``; unless its 96
     tokens held in 8 bits would take more than half the budget (then per-token 5/3 bits); with
     ``eight_bit_layers`` (a model's :mod:`~mlxevict.calibrate` layers) those layers in 8 bits, the
     same tokens in every layer, when the budget is at least ``EIGHT_BIT_SHARE`` of a 16-bit full cache of
@@ -108,11 +111,11 @@ def memory_storage(
 
 def tiers_storage(share: float, group: int, eight_bit_layers: Sequence[int] = ()) -> KVStorage:
     """The precision tiers for a budget at ``share`` of a 16-bit full cache of the tokens expected (0: unknown):
-    their low tier in ``HEAVY_LOW_BITS`` under ``HEAVY_SHARE``, ``eight_bit_layers`` in 8 bits from
+    ``TIER_BITS``, or ``HEAVY_TIER_BITS`` under ``HEAVY_SHARE``, ``eight_bit_layers`` in 8 bits from
     ``EIGHT_BIT_SHARE`` (the rule :func:`memory_storage` applies, and the long eval's product row)."""
-    low_bits = HEAVY_LOW_BITS if 0 < share < HEAVY_SHARE else LOW_BITS
+    high, low = HEAVY_TIER_BITS if 0 < share < HEAVY_SHARE else TIER_BITS
     layers = tuple(eight_bit_layers) if share >= EIGHT_BIT_SHARE else ()
-    return KVStorage.of(SPLIT_BITS, group, window_bits=8, key_group=KEY_GROUP, low_bits=low_bits, eight_bit_layers=layers)
+    return KVStorage.of(high, group, window_bits=8, key_group=KEY_GROUP, low_bits=low, eight_bit_layers=layers)
 
 
 def budget_share(request: BudgetRequest, model_or_config: Any, tokens: Optional[int], available: Optional[int] = None) -> float:

@@ -105,9 +105,10 @@ def test_a_memory_budget_keeps_the_calibrated_layer_in_8_bits_at_the_same_bytes(
     plain = plan_cache(model, budget, eight_bit_layers=(), expected_tokens=600)
     assert plain.storage.eight_bit_layers == () and plan.tokens < plain.tokens  # the 8-bit layer's bytes are counted
     # Below 18% of the full cache the bytes go to tokens instead (the layer lost there on the tuning half), and
-    # below 14% (the cache evicts most of the context) the low tier keeps 4-bit keys.
-    assert plain.storage.low_bits == (3, 2) and plan_cache(model, budget, expected_tokens=900).storage == plain.storage
-    heavy = replace(plain.storage, low_bits=(4, 3))
+    # below 14% (the cache evicts most of the context) the tiers are 5/3 over 4/3 instead of 5/4 over 3/2.
+    assert (plain.storage.kv_bits, plain.storage.low_bits) == ((5, 4), (3, 2))
+    assert plan_cache(model, budget, expected_tokens=900).storage == plain.storage
+    heavy = replace(plain.storage, key_bits=5, value_bits=3, low_bits=(4, 3))
     assert plan_cache(model, budget, expected_tokens=1200).storage == heavy
     assert plan_cache(model, budget).storage == heavy  # expected: the model's context, 8,192 tokens
     caches = make_cache(model, "default", budget, expected_tokens=600)

@@ -359,7 +359,7 @@ def test_a_memory_budget_that_must_evict_picks_channel_keys_and_explicit_bits_ke
     model = model64(max_position_embeddings=4096)
     per_token_all = storage_nbytes(model, 4096, KVStorage.of((5, 3), D, window_bits=8))
     picked = memory_storage(parse_budget(f"{per_token_all // 2}B"), model, 4096)
-    assert picked.key_group == 64 and picked.kv_bits == (5, 3) and picked.window_bits == 8 and picked.low_bits == (3, 2)
+    assert picked.key_group == 64 and picked.kv_bits == (5, 4) and picked.window_bits == 8 and picked.low_bits == (3, 2)
     assert memory_storage(parse_budget(f"{per_token_all}B"), model, 4096).key_group is None  # holds everything
     # 150 entries: the 96 tokens held in 8 bits would be more than half of them, so keys stay per token
     small = storage_nbytes(model, 150, KVStorage.of((5, 3), D, window_bits=8, key_group=64, low_bits=(3, 2)))

@@ -494,14 +494,14 @@ def test_generate_with_kv_bits(capsys, tiny32):
     assert results[None]["nbytes"] > results["8"]["nbytes"] > results["4"]["nbytes"] == results["5,3"]["nbytes"]
 
 
-def test_a_memory_budget_stores_keys_in_5_bits_values_in_3_and_holds_to_its_bytes(capsys, tiny32):
+def test_a_memory_budget_stores_in_precision_tiers_and_holds_to_its_bytes(capsys, tiny32):
     args = ("generate", tiny32, "-p", "hi", "--budget", "100KB", "--max-tokens", "2", "--json")
     caches = {}
     for bits in (None, "none", "4", "5,3"):
         extra = ("--kv-bits", bits) + (("--kv-group-size", "32") if bits in ("4", "5,3") else ()) if bits else ()
         caches[bits] = json.loads(cli(capsys, *args, *extra)[1])["cache"]
         assert caches[bits]["nbytes"] <= 100_000, bits  # the window counted at its own size
-    assert caches[None]["kv_bits"] == [5, 3] and caches["none"]["kv_bits"] is None
+    assert caches[None]["kv_bits"] == [5, 4] and caches["none"]["kv_bits"] is None  # the high tier
     assert caches["none"]["budget"] == 100_000 // 1024  # 2 layers x 2 kv-heads x 32 x 2 x float32
     # precision tiers, an entry counted in the low tier (keys 3 bits per channel): codes 12 B + row 2 + their
     # share of the scale table 4, values 8 + scale and bias 8: 34 B a kv-head, 136 B a token; the newest 32
@@ -511,13 +511,13 @@ def test_a_memory_budget_stores_keys_in_5_bits_values_in_3_and_holds_to_its_byte
     assert caches["none"]["budget"] < caches["4"]["budget"] < caches[None]["budget"]
 
 
-@pytest.mark.parametrize("memory, bits", [("3MB", None), ("1MB", 8), ("100KB", [5, 3])])
+@pytest.mark.parametrize("memory, bits", [("3MB", None), ("1MB", 8), ("100KB", [5, 4])])  # 100 KB: the tiers, evicting
 def test_a_memory_budget_that_holds_the_whole_context_keeps_the_finest_storage(capsys, tiny32, memory, bits):
     # 2,048 tokens of context: 2 MiB in float32 (1,024 B a token), 0.66 MiB in 8 bits
     args = ("generate", tiny32, "-p", "hi", "--budget", memory, "--max-tokens", "2", "--json")
     cache = json.loads(cli(capsys, *args)[1])["cache"]
     assert cache["kv_bits"] == bits and cache["nbytes"] <= parse_size(memory)
-    assert (cache["budget"] == 2048) == (bits != [5, 3])
+    assert (cache["budget"] == 2048) == (bits != [5, 4])
 
 
 def test_a_memory_budget_too_small_for_one_token_says_what_a_token_costs(capsys, tiny32):

@@ -188,7 +188,7 @@ def test_long_suite_end_to_end_structure(model, tmp_path):
     assert set(results["splits"]) == {"tuning", "test"}
     assert len(labels) == sum(len(s["rows"]) for s in results["splits"].values()) <= long_runs.total_runs(config)
     product = le.product_storage(model, 0.25)  # the memory rule's storage at 25%: the tiers (no calibration here)
-    assert product == "default:k5v3w8c64l32" and results["chosen"]["0.25"] in ("default", product, "tiers-k3v2")
+    assert product == "default:k5v4w8c64l32" and results["chosen"]["0.25"] in ("default", product, "tiers-k3v2")
     test = results["splits"]["test"]
     tuned = {L for r in results["splits"]["tuning"]["rows"] for L in r["retrieval_by_length"]}
     assert tuned == {str(LENGTH - 100)} and {L for r in test["rows"] for L in r["retrieval_by_length"]} == {str(LENGTH)}
@@ -276,7 +276,7 @@ def test_quick_long_eval_on_the_real_model(smollm_path, tmp_path):
     # At 25% of the bytes the product's row carries the demo model's shipped calibration (its layers in 8 bits).
     layers = calibrated_layers(smollm_path)
     assert layers, "the demo model's calibration ships in mlxevict/calibrations/"
-    product = "default:k5v3w8c64l32e" + ".".join(map(str, layers))
+    product = "default:k5v4w8c64l32e" + ".".join(map(str, layers))
     assert set(rows) == {"kvcache", "default", product}
     assert rows[product]["kv_fraction_16bit"] <= 0.25
     assert (tmp_path / "long_test.png").stat().st_size > 0

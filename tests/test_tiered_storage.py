@@ -82,11 +82,12 @@ def test_nothing_is_evicted_while_the_low_tier_holds_the_budget():
 def test_a_budget_in_memory_past_the_context_is_spent_whole():
     """Not capped at the model's context: the bytes beyond the context's low-tier entries keep entries high."""
     model = model64(max_position_embeddings=1024)
-    storage = KVStorage.of((5, 3), D, window_bits=8, key_group=64, low_bits=(3, 2))
+    rule = {**TIERS, "kv_bits": (5, 4)}  # the memory rule's tiers where it evicts little
+    storage = KVStorage.of((5, 4), D, window_bits=8, key_group=64, low_bits=(3, 2))
     nbytes = storage_nbytes(model, 1200, storage)  # 1,200 low-tier entries: more than the context
     plan = plan_cache(model, f"{nbytes}B")
     assert plan.storage == storage and plan.tokens == 1200 and plan.notes == ()
-    spent, capped = make_cache(model, "default", f"{nbytes}B"), make_cache(model, "default", 1024, **TIERS)
+    spent, capped = make_cache(model, "default", f"{nbytes}B"), make_cache(model, "default", 1024, **rule)
     for caches in (spent, capped):
         run_chunks(model, caches, random_tokens(1000), [100] * 10)
     assert all(c.evictions == 0 and c.size() == 1000 for c in spent + capped)

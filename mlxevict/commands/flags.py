@@ -95,8 +95,9 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
         help="store the kept KV entries in 8 or 4 bits, or keys and values apart as KEY,VALUE bits (5,3: the "
         "bytes of 4 bits, keys finer); the newest --fp-window tokens stay in full precision; none: the model's "
         "dtype. Default: the model's dtype for a --budget in tokens; for a --budget in memory (1.5GB, auto) the "
-        "dtype or 8 bits (or 5,3 with --window-bits 8) if that holds the model's whole context, else 5,3 with "
-        "--window-bits 8 --key-group 64 (the most per byte)",
+        "dtype or 8 bits (or 5,3 with --window-bits 8) if that holds the model's whole context, else precision "
+        "tiers: 5,4 over --low-bits 3,2 with --window-bits 8 --key-group 64 (5,3 over 4,3 when the budget is under "
+        "14%% of a 16-bit cache of the tokens expected; the most per byte on the tuning half)",
     )
     group.add_argument(
         "--kv-group-size",

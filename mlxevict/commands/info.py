@@ -19,7 +19,7 @@ from ..geometry import kv_shape, weights_nbytes
 from ..kvstorage import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS, SPLIT_BITS, KVStorage
 from ..memory import DEFAULT_MARGIN, format_bytes
 from ..openblas import openblas_library, openblas_loaded
-from ..plan import KEY_GROUP, LOW_BITS, plan_cache
+from ..plan import plan_cache, tiers_storage
 from ..resolve import check_architecture, hub_weights_nbytes, resolve_model
 from .flags import add_model_argument
 
@@ -83,7 +83,7 @@ def storage_modes(shape, kv_memory: int) -> list[dict[str, Any]]:
     modes = []
     storages = [KVStorage.of(bits, group if bits else None) for bits in (None, *KV_BITS, SPLIT_BITS)]
     if group is not None:
-        storages.append(KVStorage.of(SPLIT_BITS, group, window_bits=8, key_group=KEY_GROUP, low_bits=LOW_BITS))
+        storages.append(tiers_storage(1.0, group))  # the rule's tiers where it evicts least
     for storage in storages:
         bits = storage.kv_bits
         if bits is not None and group is None:
