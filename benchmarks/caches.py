@@ -33,6 +33,8 @@ from mlxevict.geometry import kv_shape, model_head_dim
 from mlxevict.kvstorage import KVStorage
 from mlxevict.plan import protected_room
 
+from .paged import is_paged, make_paged
+
 REFERENCE = "kvcache"
 QUANTIZED_BASELINES = {"quantized8": 8, "quantized4": 4, "quantized3": 3}  # name: bits
 MLX_LM_CACHES = ("kvcache", "rotating", *QUANTIZED_BASELINES)
@@ -108,7 +110,8 @@ def check_budget(name: str, budget: int, settings: CacheSettings) -> str | None:
     """Why ``budget`` cannot run for ``name`` (one line), or ``None`` when it can."""
     if not takes_budget(name):
         return None
-    floor = settings.sinks + 1 if name == "rotating" else settings.protected(budget, split_storage(name)[0]) + 1
+    policy = "default" if is_paged(name) else split_storage(name)[0]
+    floor = settings.sinks + 1 if name == "rotating" else settings.protected(budget, policy) + 1
     if budget < floor:
         return (
             f"{name}: budget {budget} is below {floor} (sinks + window + slack + 1); "
@@ -139,6 +142,8 @@ def make_caches(model: nn.Module, name: str, budget: int | None, settings: Cache
                 "leave the quantized caches out of --policies for this model"
             )
         return [QuantizedKVCache(group_size=QUANT_GROUP, bits=QUANTIZED_BASELINES[name]) for _ in range(layers)]
+    if is_paged(name):
+        return make_paged(model, name, budget, sinks=settings.sinks, window=settings.window, slack=settings.slack)
     # "full" never evicts: its budget is never reached, any valid number will do.
     size = budget if takes_budget(name) else DEFAULT_BUDGET
     policy, storage = split_storage(name)
@@ -280,7 +285,7 @@ def check_cache(name: str, flag: str) -> None:
 
 def _known(name: str) -> bool:
     base, storage = split_storage(name)
-    return base in cache_names() and not (storage and base in MLX_LM_CACHES)
+    return is_paged(name) or (base in cache_names() and not (storage and base in MLX_LM_CACHES))
 
 
 def layer_kv_bytes_per_token(model: nn.Module, dtype_size: int) -> int:

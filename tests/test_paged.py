@@ -1,0 +1,39 @@
+"""The paged pilot (``benchmarks/paged.py``): evicted entries kept aside and read back by page."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from tiny_models import random_tokens, run_chunks, tiny_model
+
+from mlxevict.benchmarks import caches as bcaches
+from mlxevict.benchmarks import long_runs
+from mlxevict.errors import MlxEvictError
+
+CHUNKS = [32] * 12 + [1] * 16  # 400 tokens streamed into 128 entries, then single steps
+
+
+def logits(model, name: str, budget: int | None = 128):
+    caches = bcaches.make_caches(model, name, budget, bcaches.CacheSettings())
+    return run_chunks(model, caches, random_tokens(sum(CHUNKS)), CHUNKS), caches
+
+
+def test_every_page_read_back_is_the_full_cache_and_none_is_the_evicting_cache():
+    model = tiny_model()
+    full, _ = logits(model, "kvcache", None)
+    plain, _ = logits(model, "default")
+    every, caches = logits(model, "paged-1000")
+    none, _ = logits(model, "paged-0")
+    some, _ = logits(model, "paged-2")
+    c = caches[0]
+    assert c.evictions > 0 and c.size() <= 128 and c.storage.spilled[0].shape[2] + c.size() == c.offset  # nothing lost
+    assert mx.allclose(every, full, atol=1e-4) and not mx.allclose(plain, full, atol=1e-3)
+    assert mx.array_equal(none, plain)
+    gap = lambda x: mx.abs(x - full).max().item()  # noqa: E731
+    assert gap(every) < gap(some) and not mx.array_equal(some, plain)
+
+
+def test_a_paged_name_is_known_to_the_suite_and_a_bad_one_is_one_error_line():
+    long_runs.LongConfig(policies=("default", "paged-8")).check()
+    with pytest.raises(MlxEvictError, match="--policies paged-x: unknown cache or policy"):
+        long_runs.LongConfig(policies=("paged-x",)).check()
