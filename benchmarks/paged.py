@@ -86,8 +86,9 @@ class PagedStorage(DenseStorage):
         take = lambda x: mx.take_along_axis(x, idx[..., None], axis=2)  # noqa: E731
         keys = mx.concatenate([take(sk), keys], axis=2)
         values = mx.concatenate([take(sv), values], axis=2)
-        if isinstance(mask, mx.array):  # the pages precede every query
-            mask = mx.concatenate([mx.ones((*mask.shape[:-1], idx.shape[-1]), mask.dtype), mask], axis=-1)
+        if isinstance(mask, mx.array):  # the pages precede every query: seen (True, or 0 added)
+            seen = mx.full((*mask.shape[:-1], idx.shape[-1]), mask.dtype == mx.bool_, mask.dtype)
+            mask = mx.concatenate([seen, mask], axis=-1)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
@@ -98,4 +99,3 @@ def make_paged(model: nn.Module, name: str, budget: int, **kwargs: Any) -> list[
     pages = int(name[len(PREFIX) :])
     mlxevict.patch(model)
     return [EvictingKVCache("default", budget, storage=PagedStorage(pages), **kwargs) for _ in model.layers]
-
