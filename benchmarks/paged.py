@@ -11,8 +11,12 @@ budget, plus every evicted entry kept aside (in memory here, counted nowhere) in
 Quest bound (per kv-head: ``max`` over the call's queries of ``Σ_d max(q_d·min_d, q_d·max_d)``
 over the page's keys) and the unfinished last page, and attends to them beside the kept entries.
 
+``quest-K`` selects as Quest does, per query head and per token: each query attends to its own K
+pages (and the unfinished one), so a kv-head reads the union of its query heads' and tokens' pages.
+
 What it costs, were the pages on an SSD, is ``K · PAGE`` entries read per layer and kv-head per
-call; this pilot measures what it buys, not that cost.
+call (``quest-K``: the union, up to ``K · PAGE`` per query head in a decode step); this pilot
+measures what it buys, not that cost.
 """
 
 from __future__ import annotations
@@ -27,12 +31,19 @@ from mlxevict.cache import EvictingKVCache
 from mlxevict.dense_storage import DenseStorage
 
 PAGE = 16  # entries per page (Quest's page size)
-PREFIX = "paged-"
+PREFIXES = {"paged-": False, "quest-": True}  # name: select per query head and token
+
+
+def _parse(name: str) -> Optional[tuple[int, bool]]:
+    prefix = next((p for p in PREFIXES if name.startswith(p)), None)
+    if prefix is None or not name[len(prefix) :].isdigit():
+        return None
+    return int(name[len(prefix) :]), PREFIXES[prefix]
 
 
 def is_paged(name: str) -> bool:
-    """``paged-K`` with K a whole number of pages (``paged-0`` reads nothing back: the plain cache)."""
-    return name.startswith(PREFIX) and name[len(PREFIX) :].isdigit()
+    """``paged-K`` or ``quest-K`` with K a whole number of pages (``-0`` reads nothing back: the plain cache)."""
+    return _parse(name) is not None
 
 
 class PagedStorage(DenseStorage):
@@ -43,9 +54,9 @@ class PagedStorage(DenseStorage):
     exactly the entries evicted, oldest first: :meth:`set_slots` moves them aside.
     """
 
-    def __init__(self, pages: int) -> None:
+    def __init__(self, pages: int, per_query: bool = False) -> None:
         super().__init__()
-        self.pages = pages
+        self.pages, self.per_query = pages, per_query
         self.spilled: Optional[tuple[mx.array, mx.array]] = None  # (B, H, N, D) keys, values
         self._cut: Optional[tuple[int, int]] = None
 
@@ -69,6 +80,8 @@ class PagedStorage(DenseStorage):
     def attend(self, queries, keys, values, scale, mask, sinks=None) -> Optional[mx.array]:
         if self.spilled is None or sinks is not None or not self.pages:
             return None
+        if self.per_query:
+            return self._attend_per_query(queries, keys, values, scale, mask)
         sk, sv = self.spilled
         B, H, N, D = sk.shape
         full = N // PAGE
@@ -91,11 +104,40 @@ class PagedStorage(DenseStorage):
             mask = mx.concatenate([seen, mask], axis=-1)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
+    def _attend_per_query(self, queries, keys, values, scale, mask) -> mx.array:
+        """Every spilled entry beside the kept ones, each query masked to its own K pages and the unfinished one."""
+        sk, sv = self.spilled
+        B, H, N, D = sk.shape
+        _, Hq, L, _ = queries.shape
+        S, full = keys.shape[2], N // PAGE
+        k = min(self.pages, full)
+        seen = mx.ones((B, Hq, L, N - full * PAGE), mx.bool_)  # the unfinished page
+        if k:
+            pages = sk[..., : full * PAGE, :].reshape(B, H, full, PAGE, D)
+            lo, hi = pages.min(axis=3), pages.max(axis=3)  # B, H, pages, D
+            q = queries.reshape(B, H, -1, D)  # B, H, G*L, D: query head g of kv-head h, then position
+            bound = mx.maximum(q, 0) @ hi.swapaxes(-1, -2) + mx.minimum(q, 0) @ lo.swapaxes(-1, -2)
+            kth = mx.sort(bound, axis=-1)[..., -k:][..., :1]
+            chosen = mx.repeat((bound >= kth).reshape(B, Hq, L, full), PAGE, axis=-1)
+            seen = mx.concatenate([chosen, seen], axis=-1)
+        else:
+            seen = mx.concatenate([mx.zeros((B, Hq, L, full * PAGE), mx.bool_), seen], axis=-1)
+        if isinstance(mask, mx.array):
+            kept = mask if mask.dtype == mx.bool_ else mask > -1e9
+        elif mask == "causal":
+            kept = mx.arange(S)[None] <= mx.arange(L)[:, None] + (S - L)
+        else:
+            kept = mx.ones((L, S), mx.bool_)
+        kept = mx.broadcast_to(kept, (B, Hq, L, S))
+        keys, values = mx.concatenate([sk, keys], axis=2), mx.concatenate([sv, values], axis=2)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                    mask=mx.concatenate([seen, kept], axis=-1))  # fmt: skip
+
 
 def make_paged(model: nn.Module, name: str, budget: int, **kwargs: Any) -> list[EvictingKVCache]:
     """One ``default``-policy cache per layer of ``model`` holding ``budget`` entries, reading back ``paged-K``'s pages."""
-    if not is_paged(name):
-        raise ValueError(f"{name!r} is not a paged cache (paged-K, K pages of {PAGE} entries)")
-    pages = int(name[len(PREFIX) :])
+    parsed = _parse(name)
+    if parsed is None:
+        raise ValueError(f"{name!r} is not a paged cache (paged-K or quest-K, K pages of {PAGE} entries)")
     mlxevict.patch(model)
-    return [EvictingKVCache("default", budget, storage=PagedStorage(pages), **kwargs) for _ in model.layers]
+    return [EvictingKVCache("default", budget, storage=PagedStorage(*parsed), **kwargs) for _ in model.layers]

@@ -18,13 +18,14 @@ def logits(model, name: str, budget: int | None = 128):
     return run_chunks(model, caches, random_tokens(sum(CHUNKS)), CHUNKS), caches
 
 
-def test_every_page_read_back_is_the_full_cache_and_none_is_the_evicting_cache():
+@pytest.mark.parametrize("kind", ["paged", "quest"])
+def test_every_page_read_back_is_the_full_cache_and_none_is_the_evicting_cache(kind):
     model = tiny_model()
     full, _ = logits(model, "kvcache", None)
     plain, _ = logits(model, "default")
-    every, caches = logits(model, "paged-1000")
-    none, _ = logits(model, "paged-0")
-    some, _ = logits(model, "paged-2")
+    every, caches = logits(model, f"{kind}-1000")
+    none, _ = logits(model, f"{kind}-0")
+    some, _ = logits(model, f"{kind}-2")
     c = caches[0]
     assert c.evictions > 0 and c.size() <= 128 and c.storage.spilled[0].shape[2] + c.size() == c.offset  # nothing lost
     assert mx.allclose(every, full, atol=1e-4) and not mx.allclose(plain, full, atol=1e-3)
@@ -34,6 +35,6 @@ def test_every_page_read_back_is_the_full_cache_and_none_is_the_evicting_cache()
 
 
 def test_a_paged_name_is_known_to_the_suite_and_a_bad_one_is_one_error_line():
-    long_runs.LongConfig(policies=("default", "paged-8")).check()
+    long_runs.LongConfig(policies=("default", "paged-8", "quest-8")).check()
     with pytest.raises(MlxEvictError, match="--policies paged-x: unknown cache or policy"):
         long_runs.LongConfig(policies=("paged-x",)).check()
