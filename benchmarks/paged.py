@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import create_causal_mask
 
 import mlxevict
 from mlxevict.cache import EvictingKVCache
@@ -83,16 +84,13 @@ class PagedStorage(DenseStorage):
         if self.per_query:
             return self._attend_per_query(queries, keys, values, scale, mask)
         sk, sv = self.spilled
-        B, H, N, D = sk.shape
+        B, H, N, _ = sk.shape
         full = N // PAGE
         k = min(self.pages, full)
         idx = mx.arange(full * PAGE, N)  # the unfinished page: always read
         idx = mx.broadcast_to(idx, (B, H, N - full * PAGE))
         if k:
-            pages = sk[..., : full * PAGE, :].reshape(B, H, full, PAGE, D)
-            lo, hi = pages.min(axis=3), pages.max(axis=3)  # B, H, pages, D
-            q = queries.reshape(B, H, -1, D)  # a kv-head's query heads and positions together
-            bound = mx.maximum(q, 0) @ hi.swapaxes(-1, -2) + mx.minimum(q, 0) @ lo.swapaxes(-1, -2)
+            bound = self._bounds(queries, full)  # one choice for all of a kv-head's queries
             top = mx.argpartition(-bound.max(axis=2), k - 1, axis=-1)[..., :k]  # B, H, k
             picked = (mx.sort(top, axis=-1)[..., None] * PAGE + mx.arange(PAGE)).reshape(B, H, k * PAGE)
             idx = mx.concatenate([picked, idx], axis=-1)
@@ -104,28 +102,33 @@ class PagedStorage(DenseStorage):
             mask = mx.concatenate([seen, mask], axis=-1)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
+    def _bounds(self, queries: mx.array, full: int) -> mx.array:
+        """``(B, H, G*L, full)``: Quest's bound on each query's score over each whole page of spilled keys (a
+        kv-head's ``G`` query heads, then the ``L`` positions)."""
+        sk = self.spilled[0]
+        B, H, _, D = sk.shape
+        pages = sk[..., : full * PAGE, :].reshape(B, H, full, PAGE, D)
+        lo, hi = pages.min(axis=3), pages.max(axis=3)  # B, H, pages, D
+        q = queries.reshape(B, H, -1, D)
+        return mx.maximum(q, 0) @ hi.swapaxes(-1, -2) + mx.minimum(q, 0) @ lo.swapaxes(-1, -2)
+
     def _attend_per_query(self, queries, keys, values, scale, mask) -> mx.array:
         """Every spilled entry beside the kept ones, each query masked to its own K pages and the unfinished one."""
         sk, sv = self.spilled
-        B, H, N, D = sk.shape
+        B, _, N, _ = sk.shape
         _, Hq, L, _ = queries.shape
         S, full = keys.shape[2], N // PAGE
-        k = min(self.pages, full)
+        k = min(self.pages, full)  # 0 only when no page is whole: every spilled entry is the unfinished page
         seen = mx.ones((B, Hq, L, N - full * PAGE), mx.bool_)  # the unfinished page
         if k:
-            pages = sk[..., : full * PAGE, :].reshape(B, H, full, PAGE, D)
-            lo, hi = pages.min(axis=3), pages.max(axis=3)  # B, H, pages, D
-            q = queries.reshape(B, H, -1, D)  # B, H, G*L, D: query head g of kv-head h, then position
-            bound = mx.maximum(q, 0) @ hi.swapaxes(-1, -2) + mx.minimum(q, 0) @ lo.swapaxes(-1, -2)
+            bound = self._bounds(queries, full)
             kth = mx.sort(bound, axis=-1)[..., -k:][..., :1]
             chosen = mx.repeat((bound >= kth).reshape(B, Hq, L, full), PAGE, axis=-1)
             seen = mx.concatenate([chosen, seen], axis=-1)
-        else:
-            seen = mx.concatenate([mx.zeros((B, Hq, L, full * PAGE), mx.bool_), seen], axis=-1)
         if isinstance(mask, mx.array):
             kept = mask if mask.dtype == mx.bool_ else mask > -1e9
         elif mask == "causal":
-            kept = mx.arange(S)[None] <= mx.arange(L)[:, None] + (S - L)
+            kept = create_causal_mask(L, S - L)
         else:
             kept = mx.ones((L, S), mx.bool_)
         kept = mx.broadcast_to(kept, (B, Hq, L, S))
