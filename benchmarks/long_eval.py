@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import mlx.nn as nn
 
+from .baseline_attention import dense_prompt_chunks
 from .caches import REFERENCE, check_budget, release
 from .long_feed import budget_for, build, build_batches, feed, fork, kv_fraction, tail_logits
 from .long_runs import CHOSEN, PRODUCT, SEEDS, LongConfig, Run, config_json
@@ -178,7 +179,7 @@ def run_long(
 
     chosen = dict(chosen or {})
     results: dict[str, Any] = {"kind": "long", "config": config_json(config), "splits": {}, "chosen": _keys(chosen)}
-    with warnings.catch_warnings(), mlxevict.patched(model):
+    with warnings.catch_warnings(), mlxevict.patched(model), dense_prompt_chunks():
         warnings.simplefilter("ignore")  # prompt-pinning warnings, once per cache
         for split in config.splits:
             def partial(out: dict[str, Any], split: str = split) -> None:

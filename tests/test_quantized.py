@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
-from tiny_models import random_tokens, run_chunks, tiny_model
+from tiny_models import QWEN3_8BIT_GAP, random_tokens, run_chunks, tiny_model
 
 import mlxevict
 from mlxevict import QuantizedEvictingKVCache, make_cache, policy_names
@@ -23,13 +23,6 @@ def small_model(arch: str = "llama", **overrides):
 
 def dequantized(packed: tuple[mx.array, ...], n: int, bits: int) -> mx.array:
     return mx.dequantize(*(x[..., :n, :] for x in packed), group_size=GROUP, bits=bits)
-
-
-QWEN3_8BIT_GAP = pytest.mark.xfail(
-    strict=True,
-    reason="qwen3 at 8 bits differs from mlx-lm's QuantizedKVCache by 8.7e-5 (llama and 4 bits: 2e-6); "
-    "cause not found; it failed at 612ec78, before the storage component, too",
-)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -6,9 +6,17 @@ import importlib
 
 import mlx.core as mx
 import mlx.nn as nn
+import pytest
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 VOCAB = 128
+# Chunks of queries on the CPU read quantized entries dequantized, through BLAS: within 2e-6 of
+# mlx-lm's quantized matmul, except qwen3 at 8 bits: 8.7e-5, and the same between mlx-lm's own
+# attention and its dense twin (tests/test_baseline_attention.py): the dense read, not the storage.
+# Token by token (one query: the quantized matmul) the storage equals mlx-lm's exactly.
+QWEN3_8BIT_GAP = pytest.mark.xfail(
+    strict=True, reason="qwen3 at 8 bits: dense and quantized matmuls differ by 8.7e-5 (others 2e-6)"
+)
 
 
 def tiny_model(model_type: str = "llama", *, layers: int = 2, seed: int = 0, **overrides) -> nn.Module:
