@@ -13,9 +13,12 @@ over the page's keys) and the unfinished last page, and attends to them beside t
 
 ``quest-K`` selects as Quest does, per query head and per token: each query attends to its own K
 pages (and the unfinished one), so a kv-head reads the union of its query heads' and tokens' pages.
+``shared-K`` selects per token and kv-head: the ``K`` pages with the highest bound for any of the
+kv-head's query heads (``max`` over them), read once and attended to by all of them.
 
 What it costs, were the pages on an SSD, is ``K · PAGE`` entries read per layer and kv-head per
-call (``quest-K``: the union, up to ``K · PAGE`` per query head in a decode step); this pilot
+call (``quest-K``: the union, up to ``K · PAGE`` per query head in a decode step; ``shared-K``: ``K · PAGE``
+per kv-head in a decode step); this pilot
 measures what it buys, not that cost.
 """
 
@@ -32,10 +35,10 @@ from mlxevict.cache import EvictingKVCache
 from mlxevict.dense_storage import DenseStorage
 
 PAGE = 16  # entries per page (Quest's page size)
-PREFIXES = {"paged-": False, "quest-": True}  # name: select per query head and token
+PREFIXES = {"paged-": "call", "quest-": "query", "shared-": "kvhead"}  # name: what one page choice serves
 
 
-def _parse(name: str) -> Optional[tuple[int, bool]]:
+def _parse(name: str) -> Optional[tuple[int, str]]:
     prefix = next((p for p in PREFIXES if name.startswith(p)), None)
     if prefix is None or not name[len(prefix) :].isdigit():
         return None
@@ -43,7 +46,7 @@ def _parse(name: str) -> Optional[tuple[int, bool]]:
 
 
 def is_paged(name: str) -> bool:
-    """``paged-K`` or ``quest-K`` with K a whole number of pages (``-0`` reads nothing back: the plain cache)."""
+    """``paged-K``, ``quest-K`` or ``shared-K``, K a whole number of pages (``-0`` reads nothing back: the plain cache)."""
     return _parse(name) is not None
 
 
@@ -55,9 +58,9 @@ class PagedStorage(DenseStorage):
     exactly the entries evicted, oldest first: :meth:`set_slots` moves them aside.
     """
 
-    def __init__(self, pages: int, per_query: bool = False) -> None:
+    def __init__(self, pages: int, select: str = "call") -> None:
         super().__init__()
-        self.pages, self.per_query = pages, per_query
+        self.pages, self.select = pages, select
         self.spilled: Optional[tuple[mx.array, mx.array]] = None  # (B, H, N, D) keys, values
         self._cut: Optional[tuple[int, int]] = None
 
@@ -81,7 +84,7 @@ class PagedStorage(DenseStorage):
     def attend(self, queries, keys, values, scale, mask, sinks=None) -> Optional[mx.array]:
         if self.spilled is None or sinks is not None or not self.pages:
             return None
-        if self.per_query:
+        if self.select != "call":
             return self._attend_per_query(queries, keys, values, scale, mask)
         sk, sv = self.spilled
         B, H, N, _ = sk.shape
@@ -113,7 +116,8 @@ class PagedStorage(DenseStorage):
         return mx.maximum(q, 0) @ hi.swapaxes(-1, -2) + mx.minimum(q, 0) @ lo.swapaxes(-1, -2)
 
     def _attend_per_query(self, queries, keys, values, scale, mask) -> mx.array:
-        """Every spilled entry beside the kept ones, each query masked to its own K pages and the unfinished one."""
+        """Every spilled entry beside the kept ones, each query masked to its K pages and the unfinished one
+        (its own, or its token's in its kv-head: ``select``)."""
         sk, sv = self.spilled
         B, _, N, _ = sk.shape
         _, Hq, L, _ = queries.shape
@@ -121,9 +125,14 @@ class PagedStorage(DenseStorage):
         k = min(self.pages, full)  # 0 only when no page is whole: every spilled entry is the unfinished page
         seen = mx.ones((B, Hq, L, N - full * PAGE), mx.bool_)  # the unfinished page
         if k:
-            bound = self._bounds(queries, full)
+            bound = self._bounds(queries, full)  # B, H, G*L, full
+            H = bound.shape[1]
+            bound = bound.reshape(B, H, Hq // H, L, full)
+            if self.select == "kvhead":
+                bound = bound.max(axis=2, keepdims=True)
             kth = mx.sort(bound, axis=-1)[..., -k:][..., :1]
-            chosen = mx.repeat((bound >= kth).reshape(B, Hq, L, full), PAGE, axis=-1)
+            chosen = mx.broadcast_to(bound >= kth, (B, H, Hq // H, L, full))
+            chosen = mx.repeat(chosen.reshape(B, Hq, L, full), PAGE, axis=-1)
             seen = mx.concatenate([chosen, seen], axis=-1)
         if isinstance(mask, mx.array):
             kept = mask if mask.dtype == mx.bool_ else mask > -1e9
@@ -141,6 +150,6 @@ def make_paged(model: nn.Module, name: str, budget: int, **kwargs: Any) -> list[
     """One ``default``-policy cache per layer of ``model`` holding ``budget`` entries, reading back ``paged-K``'s pages."""
     parsed = _parse(name)
     if parsed is None:
-        raise ValueError(f"{name!r} is not a paged cache (paged-K or quest-K, K pages of {PAGE} entries)")
+        raise ValueError(f"{name!r} is not a paged cache (paged-K, quest-K or shared-K, K pages of {PAGE} entries)")
     mlxevict.patch(model)
     return [EvictingKVCache("default", budget, storage=PagedStorage(*parsed), **kwargs) for _ in model.layers]

@@ -18,7 +18,7 @@ def logits(model, name: str, budget: int | None = 128):
     return run_chunks(model, caches, random_tokens(sum(CHUNKS)), CHUNKS), caches
 
 
-@pytest.mark.parametrize("kind", ["paged", "quest"])
+@pytest.mark.parametrize("kind", ["paged", "quest", "shared"])
 def test_every_page_read_back_is_the_full_cache_and_none_is_the_evicting_cache(kind):
     model = tiny_model()
     full, _ = logits(model, "kvcache", None)
@@ -34,7 +34,15 @@ def test_every_page_read_back_is_the_full_cache_and_none_is_the_evicting_cache(k
     assert gap(every) < gap(some) and not mx.array_equal(some, plain)
 
 
+def test_shared_pages_are_a_choice_per_kv_head_not_per_query_head():
+    model = tiny_model()  # 2 query heads per kv-head
+    quest, shared = logits(model, "quest-2")[0], logits(model, "shared-2")[0]
+    assert not mx.allclose(quest, shared, atol=1e-4)
+    one_head = tiny_model(num_key_value_heads=4)  # one query head per kv-head: the same choice
+    assert mx.array_equal(logits(one_head, "quest-2")[0], logits(one_head, "shared-2")[0])
+
+
 def test_a_paged_name_is_known_to_the_suite_and_a_bad_one_is_one_error_line():
-    long_runs.LongConfig(policies=("default", "paged-8", "quest-8")).check()
+    long_runs.LongConfig(policies=("default", "paged-8", "quest-8", "shared-8")).check()
     with pytest.raises(MlxEvictError, match="--policies paged-x: unknown cache or policy"):
         long_runs.LongConfig(policies=("paged-x",)).check()
