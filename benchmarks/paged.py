@@ -14,16 +14,19 @@ over the page's keys) and the unfinished last page, and attends to them beside t
 ``quest-K`` selects as Quest does, per query head and per token: each query attends to its own K
 pages (and the unfinished one), so a kv-head reads the union of its query heads' and tokens' pages.
 ``shared-K`` selects per token and kv-head: the ``K`` pages with the highest bound for any of the
-kv-head's query heads (``max`` over them), read once and attended to by all of them.
+kv-head's query heads (``max`` over them), read once and attended to by all of them. A suffix ``bN``
+(``shared-64b4``) keeps the pages in ``N`` bits (per entry, groups of 64 channels, as mlx-lm's
+``QuantizedKVCache``; the bound and the attention both read them so).
 
 What it costs, were the pages on an SSD, is ``K · PAGE`` entries read per layer and kv-head per
 call (``quest-K``: the union, up to ``K · PAGE`` per query head in a decode step; ``shared-K``: ``K · PAGE``
-per kv-head in a decode step); this pilot
-measures what it buys, not that cost.
+per kv-head in a decode step); the long suite measures what it buys, ``benchmarks/paged_reads.py``
+what it reads.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -35,18 +38,21 @@ from mlxevict.cache import EvictingKVCache
 from mlxevict.dense_storage import DenseStorage
 
 PAGE = 16  # entries per page (Quest's page size)
+PAGE_GROUP = 64  # quantization group (over each entry's channels) of pages kept in fewer bits
 PREFIXES = {"paged-": "call", "quest-": "query", "shared-": "kvhead"}  # name: what one page choice serves
 
 
-def _parse(name: str) -> Optional[tuple[int, str]]:
-    prefix = next((p for p in PREFIXES if name.startswith(p)), None)
-    if prefix is None or not name[len(prefix) :].isdigit():
+def _parse(name: str) -> Optional[tuple[int, str, Optional[int]]]:
+    match = re.fullmatch(r"(paged-|quest-|shared-)(\d+)(?:b([2-8]))?", name)
+    if match is None:
         return None
-    return int(name[len(prefix) :]), PREFIXES[prefix]
+    prefix, pages, bits = match.groups()
+    return int(pages), PREFIXES[prefix], int(bits) if bits else None
 
 
 def is_paged(name: str) -> bool:
-    """``paged-K``, ``quest-K`` or ``shared-K``, K a whole number of pages (``-0`` reads nothing back: the plain cache)."""
+    """``paged-K``, ``quest-K`` or ``shared-K``, K a whole number of pages (``-0`` reads nothing back: the plain
+    cache), optionally ``bN``: pages kept in ``N`` bits (``shared-64b4``)."""
     return _parse(name) is not None
 
 
@@ -58,11 +64,15 @@ class PagedStorage(DenseStorage):
     exactly the entries evicted, oldest first: :meth:`set_slots` moves them aside.
     """
 
-    def __init__(self, pages: int, select: str = "call") -> None:
+    def __init__(self, pages: int, select: str = "call", bits: Optional[int] = None) -> None:
         super().__init__()
-        self.pages, self.select = pages, select
+        self.pages, self.select, self.bits = pages, select, bits
         self.spilled: Optional[tuple[mx.array, mx.array]] = None  # (B, H, N, D) keys, values
         self._cut: Optional[tuple[int, int]] = None
+        # Set to a list to count the whole pages read (per-query selections): (queries, pages a kv-head
+        # reads, of them pages it did not read in the call before); None: not counted (no sync).
+        self.reads: Optional[list[tuple[int, float, float]]] = None
+        self._last: Optional[mx.array] = None
 
     def limit_groups(self, rank_key: mx.array, n_keep: int, size: int, budget: int) -> tuple[mx.array, int]:
         self._cut = (n_keep, size)  # the compaction that follows drops slots [n_keep, size)
@@ -75,6 +85,9 @@ class PagedStorage(DenseStorage):
         a, b = self._cut
         self._cut = None
         dropped = (self.keys[..., a:b, :], self.values[..., a:b, :])
+        if self.bits:  # what reading them back from pages in fewer bits would give
+            dropped = tuple(mx.dequantize(*mx.quantize(x, PAGE_GROUP, self.bits), PAGE_GROUP, self.bits).astype(x.dtype)
+                            for x in dropped)  # fmt: skip
         if self.spilled is None:
             self.spilled = dropped
         else:
@@ -132,6 +145,8 @@ class PagedStorage(DenseStorage):
                 bound = bound.max(axis=2, keepdims=True)
             kth = mx.sort(bound, axis=-1)[..., -k:][..., :1]
             chosen = mx.broadcast_to(bound >= kth, (B, H, Hq // H, L, full))
+            if self.reads is not None:
+                self._count(chosen.any(axis=(2, 3)), L)
             chosen = mx.repeat(chosen.reshape(B, Hq, L, full), PAGE, axis=-1)
             seen = mx.concatenate([chosen, seen], axis=-1)
         if isinstance(mask, mx.array):
@@ -144,6 +159,15 @@ class PagedStorage(DenseStorage):
         keys, values = mx.concatenate([sk, keys], axis=2), mx.concatenate([sv, values], axis=2)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                     mask=mx.concatenate([seen, kept], axis=-1))  # fmt: skip
+
+
+    def _count(self, union: mx.array, queries: int) -> None:
+        """Log the ``(B, H, full)`` pages read this call, and how many were not read the call before."""
+        last = self._last if self._last is not None else mx.zeros(union.shape[:-1] + (0,), mx.bool_)
+        last = mx.pad(last, [(0, 0), (0, 0), (0, union.shape[-1] - last.shape[-1])])
+        new = union & ~last
+        self._last = union
+        self.reads.append((queries, union.sum(axis=-1).mean().item(), new.sum(axis=-1).mean().item()))
 
 
 def make_paged(model: nn.Module, name: str, budget: int, **kwargs: Any) -> list[EvictingKVCache]:

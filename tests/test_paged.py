@@ -46,3 +46,25 @@ def test_a_paged_name_is_known_to_the_suite_and_a_bad_one_is_one_error_line():
     long_runs.LongConfig(policies=("default", "paged-8", "quest-8", "shared-8")).check()
     with pytest.raises(MlxEvictError, match="--policies paged-x: unknown cache or policy"):
         long_runs.LongConfig(policies=("paged-x",)).check()
+
+
+def test_reads_are_counted_per_kv_head_k_pages_shared_up_to_k_per_query_head():
+    from mlxevict.benchmarks.paged import PAGE
+    from mlxevict.benchmarks.paged_reads import measure
+
+    model = tiny_model()  # 2 query heads per kv-head
+    tokens = random_tokens(400)[None]
+    shared = measure(model, tokens, "shared-2", 64, decode=6, chunk=32)
+    quest = measure(model, tokens, "quest-2", 64, decode=6, chunk=32)
+    assert shared["evicted"] > 8 * PAGE
+    assert shared["decode_step_entries"] == 2 * PAGE  # the K pages, once for the kv-head
+    assert 2 * PAGE <= quest["decode_step_entries"] <= 2 * 2 * PAGE  # the union of 2 heads' K pages
+    assert 0 <= shared["decode_step_new_entries"] <= shared["decode_step_entries"]
+    assert shared["prompt_call_entries"] >= 2 * PAGE
+
+
+def test_pages_in_fewer_bits_are_read_back_rounded():
+    model = tiny_model(head_dim=64)  # mx.quantize's group of 64 channels
+    plain, b8, b3 = (logits(model, n)[0] for n in ("shared-4", "shared-4b8", "shared-4b3"))
+    gap = lambda x: mx.abs(x - plain).max().item()  # noqa: E731
+    assert 0 < gap(b8) < gap(b3)
