@@ -34,7 +34,6 @@ def _dense_chunks(original):
         none = mx.zeros((b, heads, 0, dim * 32 // bits), queries.dtype)  # no window after the quantized entries
         return quantized_attention(queries, (q_keys, none), (q_values, none), scale, mask, group_size, bits)
 
-    attention.original = original
     return attention
 
 

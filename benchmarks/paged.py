@@ -43,7 +43,7 @@ PREFIXES = {"paged-": "call", "quest-": "query", "shared-": "kvhead"}  # name: w
 
 
 def _parse(name: str) -> Optional[tuple[int, str, Optional[int]]]:
-    match = re.fullmatch(r"(paged-|quest-|shared-)(\d+)(?:b([2-8]))?", name)
+    match = re.fullmatch(f"({'|'.join(PREFIXES)})" + r"(\d+)(?:b([2-8]))?", name)
     if match is None:
         return None
     prefix, pages, bits = match.groups()
@@ -159,7 +159,6 @@ class PagedStorage(DenseStorage):
         keys, values = mx.concatenate([sk, keys], axis=2), mx.concatenate([sv, values], axis=2)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                     mask=mx.concatenate([seen, kept], axis=-1))  # fmt: skip
-
 
     def _count(self, union: mx.array, queries: int) -> None:
         """Log the ``(B, H, full)`` pages read this call, and how many were not read the call before."""
