@@ -37,13 +37,14 @@ import mlxevict
 from mlxevict.cache import EvictingKVCache
 from mlxevict.dense_storage import DenseStorage
 
+from .storage_variants import fake_quant
+
 PAGE = 16  # entries per page (Quest's page size)
-PAGE_GROUP = 64  # quantization group (over each entry's channels) of pages kept in fewer bits
 PREFIXES = {"paged-": "call", "quest-": "query", "shared-": "kvhead"}  # name: what one page choice serves
 
 
 def _parse(name: str) -> Optional[tuple[int, str, Optional[int]]]:
-    match = re.fullmatch(f"({'|'.join(PREFIXES)})" + r"(\d+)(?:b([2-8]))?", name)
+    match = re.fullmatch(f"({'|'.join(PREFIXES)})" + r"(\d+)(?:b([234568]))?", name)
     if match is None:
         return None
     prefix, pages, bits = match.groups()
@@ -52,7 +53,7 @@ def _parse(name: str) -> Optional[tuple[int, str, Optional[int]]]:
 
 def is_paged(name: str) -> bool:
     """``paged-K``, ``quest-K`` or ``shared-K``, K a whole number of pages (``-0`` reads nothing back: the plain
-    cache), optionally ``bN``: pages kept in ``N`` bits (``shared-64b4``)."""
+    cache), optionally ``bN``: pages kept in ``N`` bits, one of mx.quantize's 2-6 or 8 (``shared-64b4``)."""
     return _parse(name) is not None
 
 
@@ -86,8 +87,7 @@ class PagedStorage(DenseStorage):
         self._cut = None
         dropped = (self.keys[..., a:b, :], self.values[..., a:b, :])
         if self.bits:  # what reading them back from pages in fewer bits would give
-            dropped = tuple(mx.dequantize(*mx.quantize(x, PAGE_GROUP, self.bits), PAGE_GROUP, self.bits).astype(x.dtype)
-                            for x in dropped)  # fmt: skip
+            dropped = tuple(fake_quant(x, self.bits) for x in dropped)
         if self.spilled is None:
             self.spilled = dropped
         else:

@@ -46,6 +46,8 @@ def test_a_paged_name_is_known_to_the_suite_and_a_bad_one_is_one_error_line():
     long_runs.LongConfig(policies=("default", "paged-8", "quest-8", "shared-8")).check()
     with pytest.raises(MlxEvictError, match="--policies paged-x: unknown cache or policy"):
         long_runs.LongConfig(policies=("paged-x",)).check()
+    with pytest.raises(MlxEvictError, match="--policies shared-8b7: unknown cache or policy"):
+        long_runs.LongConfig(policies=("shared-8b7",)).check()  # mx.quantize has no 7 bits
 
 
 def test_reads_are_counted_per_kv_head_k_pages_shared_up_to_k_per_query_head():
