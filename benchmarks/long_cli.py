@@ -53,7 +53,7 @@ def add_long_arguments(p: argparse.ArgumentParser) -> None:
                    help="long suite: storages tried on the tuning half beside the product's (default default:k5v3w8c64, one "
                    "tier; any storage suffix, or a simulated one: kivi-k5v3, tiers-k3v2, sim-k5v3w8, kivi-k2v2, kivi-tiers, "
                    "sim-k3v2w8, kivi-k3v2, kivi-k3v2-pre, kivi-tiers-pre; or the paged pilot, evicted entries read back K "
-                   "pages at a time: paged-K, quest-K, shared-K, with bN for pages in N bits)")
+                   "pages at a time: paged-K, quest-K, shared-K, with sN for pages scored from N-bit keys, bN for pages in N bits)")
     p.add_argument("--baselines", type=_names, default=None,
                    help="long suite: mlx-lm's unbudgeted caches (default quantized4; --long: quantized8,quantized4,quantized3)")
     p.add_argument("--splits", type=_names, default=None, help="long suite: tuning,test (default both, in that order)")

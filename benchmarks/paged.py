@@ -16,7 +16,12 @@ pages (and the unfinished one), so a kv-head reads the union of its query heads'
 ``shared-K`` selects per token and kv-head: the ``K`` pages with the highest bound for any of the
 kv-head's query heads (``max`` over them), read once and attended to by all of them. A suffix ``bN``
 (``shared-64b4``) keeps the pages in ``N`` bits (per entry, groups of 64 channels, as mlx-lm's
-``QuantizedKVCache``; the bound and the attention both read them so).
+``QuantizedKVCache``; the bound and the attention both read them so). A suffix ``sN`` (``shared-64s2``)
+scores the pages from an ``N``-bit copy of every evicted key instead of Quest's bound: a page's score for
+a query is the attention mass its keys would take, ``logsumexp`` of ``scale · q·k̂`` over its entries.
+At 2 bits (groups of 64 channels, a 16-bit scale and bias each) the copy is 2.5 bits a channel per
+evicted key, against Quest's 2 (a 16-bit min and max a channel per 16-entry page): about the same
+bytes kept in memory to choose with, one estimate per entry instead of one bound per page.
 
 What it costs, were the pages on an SSD, is ``K · PAGE`` entries read per layer and kv-head per
 call (``quest-K``: the union, up to ``K · PAGE`` per query head in a decode step; ``shared-K``: ``K · PAGE``
@@ -44,16 +49,17 @@ PREFIXES = {"paged-": "call", "quest-": "query", "shared-": "kvhead"}  # name: w
 
 
 def _parse(name: str) -> Optional[tuple[int, str, Optional[int]]]:
-    match = re.fullmatch(f"({'|'.join(PREFIXES)})" + r"(\d+)(?:b([234568]))?", name)
+    match = re.fullmatch(f"({'|'.join(PREFIXES)})" + r"(\d+)(?:s([234568]))?(?:b([234568]))?", name)
     if match is None:
         return None
-    prefix, pages, bits = match.groups()
-    return int(pages), PREFIXES[prefix], int(bits) if bits else None
+    prefix, pages, score_bits, bits = match.groups()
+    return int(pages), PREFIXES[prefix], int(bits) if bits else None, int(score_bits) if score_bits else None
 
 
 def is_paged(name: str) -> bool:
     """``paged-K``, ``quest-K`` or ``shared-K``, K a whole number of pages (``-0`` reads nothing back: the plain
-    cache), optionally ``bN``: pages kept in ``N`` bits, one of mx.quantize's 2-6 or 8 (``shared-64b4``)."""
+    cache), optionally ``sN``: pages scored from ``N``-bit keys, and ``bN``: pages kept in ``N`` bits, each one of
+    mx.quantize's 2-6 or 8 (``shared-64b4``, ``shared-64s2b4``)."""
     return _parse(name) is not None
 
 
@@ -65,10 +71,12 @@ class PagedStorage(DenseStorage):
     exactly the entries evicted, oldest first: :meth:`set_slots` moves them aside.
     """
 
-    def __init__(self, pages: int, select: str = "call", bits: Optional[int] = None) -> None:
+    def __init__(self, pages: int, select: str = "call", bits: Optional[int] = None,
+                 score_bits: Optional[int] = None) -> None:
         super().__init__()
-        self.pages, self.select, self.bits = pages, select, bits
+        self.pages, self.select, self.bits, self.score_bits = pages, select, bits, score_bits
         self.spilled: Optional[tuple[mx.array, mx.array]] = None  # (B, H, N, D) keys, values
+        self.sketch: Optional[mx.array] = None  # (B, H, N, D) the spilled keys in score_bits, to score pages
         self._cut: Optional[tuple[int, int]] = None
         # Set to a list to count the whole pages read (per-query selections): (queries, pages a kv-head
         # reads, of them pages it did not read in the call before); None: not counted (no sync).
@@ -86,6 +94,10 @@ class PagedStorage(DenseStorage):
         a, b = self._cut
         self._cut = None
         dropped = (self.keys[..., a:b, :], self.values[..., a:b, :])
+        if self.score_bits:
+            sketch = fake_quant(dropped[0], self.score_bits)
+            self.sketch = sketch if self.sketch is None else mx.concatenate([self.sketch, sketch], axis=2)
+            mx.eval(self.sketch)
         if self.bits:  # what reading them back from pages in fewer bits would give
             dropped = tuple(fake_quant(x, self.bits) for x in dropped)
         if self.spilled is None:
@@ -106,7 +118,7 @@ class PagedStorage(DenseStorage):
         idx = mx.arange(full * PAGE, N)  # the unfinished page: always read
         idx = mx.broadcast_to(idx, (B, H, N - full * PAGE))
         if k:
-            bound = self._bounds(queries, full)  # one choice for all of a kv-head's queries
+            bound = self._bounds(queries, full, scale)  # one choice for all of a kv-head's queries
             top = mx.argpartition(-bound.max(axis=2), k - 1, axis=-1)[..., :k]  # B, H, k
             picked = (mx.sort(top, axis=-1)[..., None] * PAGE + mx.arange(PAGE)).reshape(B, H, k * PAGE)
             idx = mx.concatenate([picked, idx], axis=-1)
@@ -118,14 +130,18 @@ class PagedStorage(DenseStorage):
             mask = mx.concatenate([seen, mask], axis=-1)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
-    def _bounds(self, queries: mx.array, full: int) -> mx.array:
-        """``(B, H, G*L, full)``: Quest's bound on each query's score over each whole page of spilled keys (a
-        kv-head's ``G`` query heads, then the ``L`` positions)."""
-        sk = self.spilled[0]
+    def _bounds(self, queries: mx.array, full: int, scale: float) -> mx.array:
+        """``(B, H, G*L, full)``: each query's score for each whole page of spilled keys (a kv-head's ``G`` query
+        heads, then the ``L`` positions): Quest's bound on its dot products, or with ``score_bits`` the
+        attention mass the page's sketched keys would take."""
+        sk = self.spilled[0] if self.sketch is None else self.sketch
         B, H, _, D = sk.shape
         pages = sk[..., : full * PAGE, :].reshape(B, H, full, PAGE, D)
-        lo, hi = pages.min(axis=3), pages.max(axis=3)  # B, H, pages, D
         q = queries.reshape(B, H, -1, D)
+        if self.sketch is not None:
+            s = (scale * q) @ pages.reshape(B, H, full * PAGE, D).swapaxes(-1, -2)  # B, H, G*L, full*PAGE
+            return mx.logsumexp(s.reshape(*s.shape[:-1], full, PAGE), axis=-1)
+        lo, hi = pages.min(axis=3), pages.max(axis=3)  # B, H, pages, D
         return mx.maximum(q, 0) @ hi.swapaxes(-1, -2) + mx.minimum(q, 0) @ lo.swapaxes(-1, -2)
 
     def _attend_per_query(self, queries, keys, values, scale, mask) -> mx.array:
@@ -138,7 +154,7 @@ class PagedStorage(DenseStorage):
         k = min(self.pages, full)  # 0 only when no page is whole: every spilled entry is the unfinished page
         seen = mx.ones((B, Hq, L, N - full * PAGE), mx.bool_)  # the unfinished page
         if k:
-            bound = self._bounds(queries, full)  # B, H, G*L, full
+            bound = self._bounds(queries, full, scale)  # B, H, G*L, full
             H = bound.shape[1]
             bound = bound.reshape(B, H, Hq // H, L, full)
             if self.select == "kvhead":
@@ -173,6 +189,7 @@ def make_paged(model: nn.Module, name: str, budget: int, **kwargs: Any) -> list[
     """One ``default``-policy cache per layer of ``model`` holding ``budget`` entries, reading back ``paged-K``'s pages."""
     parsed = _parse(name)
     if parsed is None:
-        raise ValueError(f"{name!r} is not a paged cache (paged-K, quest-K or shared-K, K pages of {PAGE} entries)")
+        raise ValueError(f"{name!r} is not a paged cache (paged-K, quest-K or shared-K, K pages of {PAGE} entries, "
+                         "then sN, bN)")
     mlxevict.patch(model)
     return [EvictingKVCache("default", budget, storage=PagedStorage(*parsed), **kwargs) for _ in model.layers]

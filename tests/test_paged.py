@@ -70,3 +70,13 @@ def test_pages_in_fewer_bits_are_read_back_rounded():
     plain, b8, b3 = (logits(model, n)[0] for n in ("shared-4", "shared-4b8", "shared-4b3"))
     gap = lambda x: mx.abs(x - plain).max().item()  # noqa: E731
     assert 0 < gap(b8) < gap(b3)
+
+
+def test_pages_scored_from_sketched_keys_choose_otherwise_than_the_bound_and_8_bits_near_the_keys_themselves():
+    model = tiny_model(head_dim=64)  # mx.quantize's group of 64 channels
+    full = logits(model, "kvcache", None)[0]
+    bound, s2, s8, every = (logits(model, n)[0] for n in ("shared-2", "shared-2s2", "shared-2s8", "shared-1000s2"))
+    c = logits(model, "shared-2s2")[1][0]
+    assert c.storage.sketch.shape == c.storage.spilled[0].shape  # a sketch of every evicted key
+    assert not mx.allclose(bound, s2, atol=1e-4) and not mx.allclose(s2, s8, atol=1e-4)
+    assert mx.allclose(every, full, atol=1e-4)  # every page read: the scores choose nothing
