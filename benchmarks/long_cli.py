@@ -50,8 +50,8 @@ def add_long_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budgets", type=_floats, default=None,
                    help="long suite: shares of a 16-bit full cache's bytes (default 0.25,0.125)")
     p.add_argument("--variants", type=_names, default=None,
-                   help="long suite: storages tried on the tuning half beside the product's (default default:k5v3w8c64, one "
-                   "tier; any storage suffix, or a simulated one: kivi-k5v3, tiers-k3v2, sim-k5v3w8, kivi-k2v2, kivi-tiers, "
+                   help="long suite: storages tried on the tuning half beside the product's and the 16-bit default's (default "
+                   "none; --long: default:k5v3w8c64, one tier, kivi-k5v3, tiers-k3v2; any storage suffix, or a simulated one: kivi-k5v3, tiers-k3v2, sim-k5v3w8, kivi-k2v2, kivi-tiers, "
                    "sim-k3v2w8, kivi-k3v2, kivi-k3v2-pre, kivi-tiers-pre; or the paged pilot, evicted entries read back K "
                    "pages at a time: paged-K, quest-K, shared-K, with sN for pages scored from N-bit keys, bN for pages in N bits)")
     p.add_argument("--baselines", type=_names, default=None,

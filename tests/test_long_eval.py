@@ -246,6 +246,7 @@ def test_eval_parser_defaults_to_the_long_suite_and_rejects_short_options():
     both = ["eval", "demo", "--lengths", "4096", "--tuning-lengths", "2048"]
     assert long_cli.long_config(parser.parse_args(both)).lengths_of("tuning") == (2048,)
     assert config.token_fractions == config.memory_fractions == (0.25, 0.125)  # what the targets compare
+    assert config.variants == () and long_runs.ONE_TIER in long_runs.LONG["variants"]  # the old rule: --long only
     full = long_cli.long_config(parser.parse_args(["eval", "demo", "--long"]))
     assert full.lengths[-1] == 8192 and 0.5 in full.token_fractions and len(full.baselines) == 3
     assert full.lengths_of("tuning") == (1024, 2048) and "window" in full.policies and "default" in full.compress_policies
