@@ -100,7 +100,7 @@ def long_markdown(results: dict[str, Any]) -> str:
         f"# Long-context evaluation ({results.get('model', '')})\n",
         f"Command: `{results.get('command', '')}` ({_minutes(results)}{results.get('machine', '')}).\n",
         f"Retrieval rows of {_lengths(cfg)} tokens (kinds: {', '.join(cfg['kinds'])}; "
-        f"{cfg['instances']} row of each per length), facts inside the streamed prose; an answer counts when every "
+        f"{cfg['instances']} row{'s' if cfg['instances'] > 1 else ''} of each per length), facts inside the streamed prose; an answer counts when every "
         "answer token is the greedy choice under teacher forcing, over the answers the full cache gets. "
         f"Fidelity: the last {cfg['fidelity_scored']} tokens of {cfg['fidelity_texts']} natural texts of "
         f"{cfg['fidelity_length']} tokens, top-1 agreement with the full cache and KL(full ‖ cache) in nats. "
