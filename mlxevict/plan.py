@@ -16,6 +16,8 @@ from .budget import BudgetRequest, budget_tokens, parse_budget, request_nbytes, 
 from .errors import MlxEvictError
 from .geometry import context_limit, kv_shape
 from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, SPLIT_BITS, KVStorage
+from .policies import make_policy
+from .room import default_slack, default_window, full_window, room_needed
 
 KEY_GROUP = 64  # tokens per key scale of the memory rule's per-channel keys (the one measured)
 # The memory rule's precision tiers, (keys, values) bits of the high tier and of the low tier (docs/tiers.md): a
@@ -28,8 +30,6 @@ HEAVY_SHARE, HEAVY_TIER_BITS = 0.14, (SPLIT_BITS, (4, 3))
 # A model's calibrated layers go to 8 bits when the budget is at least this share of a 16-bit full cache of the
 # tokens expected: on the tuning half they gained at 25% and 18.75%, lost at 15.6% and 12.5% (docs/tiers.md).
 EIGHT_BIT_SHARE = 0.18
-from .policies import make_policy
-from .room import default_slack, default_window, full_window, room_needed
 
 
 @dataclass(frozen=True)
