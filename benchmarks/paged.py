@@ -48,7 +48,7 @@ PAGE = 16  # entries per page (Quest's page size)
 PREFIXES = {"paged-": "call", "quest-": "query", "shared-": "kvhead"}  # name: what one page choice serves
 
 
-def _parse(name: str) -> Optional[tuple[int, str, Optional[int]]]:
+def _parse(name: str) -> Optional[tuple[int, str, Optional[int], Optional[int]]]:
     match = re.fullmatch(f"({'|'.join(PREFIXES)})" + r"(\d+)(?:s([234568]))?(?:b([234568]))?", name)
     if match is None:
         return None
