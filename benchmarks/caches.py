@@ -18,6 +18,8 @@ window min(32, budget // 8)).
 from __future__ import annotations
 
 import gc
+import re
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -27,13 +29,16 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 import mlxevict
+from mlxevict.budget import BudgetRequest
 from mlxevict.cache import DEFAULT_BUDGET, DEFAULT_SINKS
 from mlxevict.errors import MlxEvictError
 from mlxevict.geometry import kv_shape, model_head_dim
 from mlxevict.kvstorage import KVStorage
-from mlxevict.plan import protected_room
+from mlxevict.plan import paged_tokens, protected_room
 
 from .paged import is_paged, make_paged
+
+DISK = re.compile(r"disk-(\d+)")  # the product's paged cache (mlxevict.paged_storage), K pages read back a call
 
 REFERENCE = "kvcache"
 QUANTIZED_BASELINES = {"quantized8": 8, "quantized4": 4, "quantized3": 3}  # name: bits
@@ -110,7 +115,7 @@ def check_budget(name: str, budget: int, settings: CacheSettings) -> str | None:
     """Why ``budget`` cannot run for ``name`` (one line), or ``None`` when it can."""
     if not takes_budget(name):
         return None
-    policy = "default" if is_paged(name) else split_storage(name)[0]
+    policy = "default" if is_paged(name) or DISK.fullmatch(name) else split_storage(name)[0]
     floor = settings.sinks + 1 if name == "rotating" else settings.protected(budget, policy) + 1
     if budget < floor:
         return (
@@ -144,6 +149,9 @@ def make_caches(model: nn.Module, name: str, budget: int | None, settings: Cache
         return [QuantizedKVCache(group_size=QUANT_GROUP, bits=QUANTIZED_BASELINES[name]) for _ in range(layers)]
     if is_paged(name):
         return make_paged(model, name, budget, sinks=settings.sinks, window=settings.window, slack=settings.slack)
+    if DISK.fullmatch(name):
+        return mlxevict.make_cache(model, "default", budget, page_dir=tempfile.gettempdir(), pages=int(name[5:]),
+                                   sinks=settings.sinks, window=settings.window, slack=settings.slack)  # fmt: skip
     # "full" never evicts: its budget is never reached, any valid number will do.
     size = budget if takes_budget(name) else DEFAULT_BUDGET
     policy, storage = split_storage(name)
@@ -168,6 +176,9 @@ def entries_within(model: nn.Module, name: str, fraction: float, context: int, s
     entries in the high tier (:func:`mlxevict.plan.plan_cache` does not cap them either).
     """
     limit = int(fraction * context * layer_kv_bytes_per_token(model, 2))
+    if DISK.fullmatch(name):  # the entries held, the sketch of the rest, the unfinished pages and one call's read
+        request = BudgetRequest(name, nbytes=limit * len(model.layers))
+        return paged_tokens(request, model, context, int(name[5:]), dtype_size=2)
     if name == "rotating":
         return min(context, limit // layer_kv_bytes_per_token(model, 2))
     shape = kv_shape(model)
@@ -285,7 +296,7 @@ def check_cache(name: str, flag: str) -> None:
 
 def _known(name: str) -> bool:
     base, storage = split_storage(name)
-    return is_paged(name) or (base in cache_names() and not (storage and base in MLX_LM_CACHES))
+    return is_paged(name) or bool(DISK.fullmatch(name)) or (base in cache_names() and not (storage and base in MLX_LM_CACHES))
 
 
 def layer_kv_bytes_per_token(model: nn.Module, dtype_size: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any, Sequence
 
 import mlx.nn as nn
@@ -12,8 +13,9 @@ from .channel_storage import ChannelStorage
 from .tiered_storage import TieredStorage
 from .model_patch import check_supported, patch
 from .distributed import model_shard
-from .kvstorage import DEFAULT_GROUP_SIZE, KVBits, KVStorage
-from .plan import plan_cache
+from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, KVBits, KVStorage
+from .paged_storage import DEFAULT_PAGES, PagedStorage
+from .plan import paged_tokens, plan_cache
 from .quantized import QuantizedEvictingKVCache
 
 
@@ -36,6 +38,8 @@ def make_cache(
     low_bits: KVBits | None = None,
     eight_bit_layers: Sequence[int] | None = None,
     expected_tokens: int | None = None,
+    page_dir: str | Path | None = None,
+    pages: int = DEFAULT_PAGES,
     **policy_kwargs: Any,
 ) -> list[EvictingKVCache]:
     """Patch ``model`` and build one :class:`EvictingKVCache` per layer.
@@ -83,6 +87,12 @@ def make_cache(
             calibration's layers (if it was calibrated) when the budget is at least 18% of a 16-bit full
             cache of ``expected_tokens``; ``()``: none.
         expected_tokens: the tokens the cache will see, prompt and answer (``None``: the model's context).
+        page_dir: a folder (on a Mac: the SSD) to write evicted entries to, in the model's dtype, to be read
+            back by page when the queries need them (:mod:`mlxevict.paged_storage`); a budget in memory then
+            counts the entries held, a 2-bit sketch of every evicted key up to ``expected_tokens`` (7.8% of a
+            16-bit entry each), and the pages read (:func:`~mlxevict.plan.paged_tokens`). Not with ``kv_bits``.
+            Default ``None``: evicted entries are gone.
+        pages: with ``page_dir``, pages of 16 entries read back per call and kv-head. Default 32.
 
     Returns:
         A list with one cache per layer.
@@ -92,6 +102,10 @@ def make_cache(
             work, or a ``kv_bits``/``kv_group_size`` the model cannot use.
     """
     check_supported(model)  # before anything reads the model's geometry
+    if page_dir is not None:
+        return paged_caches(model, policy, budget, page_dir, pages, expected_tokens, kv_bits,
+                            dict(sinks=sinks, window=window, slack=slack, prompt_mode=prompt_mode, pinned=pinned),
+                            policy_kwargs)  # fmt: skip
     given = KVStorage.of(
         kv_bits, kv_group_size if kv_bits is not None else None, full_precision_window, window_bits, kv_rotate,
         key_group=key_group, low_bits=low_bits, eight_bit_layers=eight_bit_layers if kv_bits is not None else (),
@@ -110,6 +124,25 @@ def make_cache(
     caches = [layer_cache(policy, plan.tokens, layer_storage[i], options, policy_kwargs) for i in range(len(model.layers))]
     patch(model)
     shard = model_shard(model)  # a sharded model's caches hold its block of heads
+    for cache in caches:
+        cache.shard = shard
+    return caches
+
+
+def paged_caches(model: nn.Module, policy: str, budget: int | str, page_dir: str | Path, pages: int,
+                 expected_tokens: int | None, kv_bits: KVBits | None, options: dict[str, Any],
+                 policy_kwargs: dict[str, Any]) -> list[EvictingKVCache]:  # fmt: skip
+    """``make_cache`` with a page store: entries held in the model's dtype, the evicted ones written to ``page_dir``."""
+    if kv_bits is not None:
+        raise ValueError("a paged cache holds its entries in the model's dtype: leave kv_bits out with page_dir")
+    plan = plan_cache(model, budget, DTYPE)
+    tokens = plan.tokens if plan.request.tokens is not None else paged_tokens(plan.request, model, expected_tokens, pages)
+    for note in plan.notes:
+        warnings.warn(note, stacklevel=3)
+    caches = [EvictingKVCache(policy, tokens, storage=PagedStorage(page_dir, pages), **options, **policy_kwargs)
+              for _ in model.layers]  # fmt: skip
+    patch(model)
+    shard = model_shard(model)
     for cache in caches:
         cache.shard = shard
     return caches

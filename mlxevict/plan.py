@@ -16,6 +16,8 @@ from .budget import BudgetRequest, budget_tokens, parse_budget, request_nbytes, 
 from .errors import MlxEvictError
 from .geometry import context_limit, kv_shape
 from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, SPLIT_BITS, KVStorage
+from .page_store import PAGE
+from .paged_storage import DEFAULT_PAGES, sketch_bytes
 from .policies import make_policy
 from .room import default_slack, default_window, full_window, room_needed
 
@@ -123,6 +125,39 @@ def budget_share(request: BudgetRequest, model_or_config: Any, tokens: Optional[
     if not tokens:
         return 0.0
     return request_nbytes(request, available) / (kv_shape(model_or_config, 2).bytes_per_token * tokens)
+
+
+def paged_tokens(
+    request: BudgetRequest,
+    model_or_config: Any,
+    expected_tokens: Optional[int] = None,
+    pages: int = DEFAULT_PAGES,
+    available: Optional[int] = None,
+    dtype_size: Optional[int] = None,
+) -> int:
+    """Entries held per layer by a paged cache (:mod:`mlxevict.paged_storage`) whose memory fits a budget in memory
+    at ``expected_tokens`` (default: the model's context): the entries held (the model's dtype), the sketch of the
+    rest, each layer's unfinished page, and one layer's ``pages`` read back (``dtype_size``: bytes per value, by
+    default the model's).
+
+    Raises:
+        MlxEvictError: the sketch and pages alone take the budget.
+    """
+    shape = kv_shape(model_or_config, dtype_size)
+    tokens = expected_tokens or context_limit(model_or_config)
+    if not tokens:
+        raise MlxEvictError("a paged cache with a budget in memory needs the tokens expected (the model's context is unknown)")
+    entry = 2 * shape.head_dim * shape.dtype_size * shape.kv_heads  # one layer's keys and values of one token
+    sketch = sketch_bytes(shape.head_dim, scale_bytes=shape.dtype_size) * shape.kv_heads
+    fixed = shape.layers * (PAGE - 1) * entry + pages * PAGE * entry
+    room = request_nbytes(request, available) - fixed - shape.layers * sketch * tokens
+    held = min(tokens, max(0, room) // (shape.layers * (entry - sketch)))
+    if held < 1:
+        raise MlxEvictError(
+            f"--budget {request.text} holds no token with a page store: the sketch of {tokens} tokens and "
+            f"{pages} pages read back take {(fixed + shape.layers * sketch * tokens) / 2**20:.1f} MiB"
+        )
+    return held
 
 
 def calibrated_layers(model_or_config: Any) -> tuple[int, ...]:

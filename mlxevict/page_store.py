@@ -1,0 +1,99 @@
+"""A page store: evicted KV entries in a file, whole pages of ``PAGE`` entries, read back by page.
+
+One file per layer's cache, in a folder the user names (on a Mac: the SSD, which is not the
+unified memory the budget counts). Entries are written in the order they are evicted, ``PAGE``
+of them a page; page ``p`` of every kv-head is one record, so what a head reads back
+(``PAGE`` entries, keys and values side by side: 4 KiB for a head dim of 64 in 16 bits) is one
+contiguous block. The bytes are the model's own (bfloat16 included), written and read as raw
+words, so an entry comes back exactly as it left. The file is deleted when the store is closed,
+garbage collected or the process exits.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import weakref
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import MlxEvictError
+
+PAGE = 16  # entries per page (Quest's page size)
+_RAW = {1: (mx.uint8, np.uint8), 2: (mx.uint16, np.uint16), 4: (mx.uint32, np.uint32)}  # item size: raw words
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class PageStore:
+    """Whole pages of ``(heads, PAGE, width)`` entries in a temporary file of ``folder``.
+
+    Args:
+        folder: where the file goes; it must exist and be writable.
+        heads: rows per page (a cache's batch times kv-heads).
+        width: values per entry (key and value dims side by side).
+        dtype: the entries' dtype.
+    """
+
+    def __init__(self, folder: str | Path, heads: int, width: int, dtype: mx.Dtype) -> None:
+        if dtype.size not in _RAW:
+            raise MlxEvictError(f"a page store cannot hold {dtype} entries")
+        try:
+            fd, self.path = tempfile.mkstemp(prefix="mlxevict-", suffix=".pages", dir=folder)
+        except OSError as err:
+            raise MlxEvictError(f"cannot write pages to {folder}: {err.strerror or err}") from None
+        self._file = os.fdopen(fd, "wb")
+        self._finalize = weakref.finalize(self, _remove, self.path)
+        self.heads, self.width, self.dtype = heads, width, dtype
+        self._raw_mx, self._raw_np = _RAW[dtype.size]
+        self.pages = 0  # whole pages written
+        self.bytes_read = 0
+        self._map: np.memmap | None = None
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one head."""
+        return PAGE * self.width * self.dtype.size
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.pages * self.heads * self.page_bytes
+
+    def append(self, entries: mx.array) -> None:
+        """Write ``(heads, n * PAGE, width)`` entries, oldest first, as ``n`` new pages."""
+        heads, count, width = entries.shape
+        if (heads, width) != (self.heads, self.width) or count % PAGE:
+            raise ValueError(f"pages of ({self.heads}, k*{PAGE}, {self.width}) entries, got {tuple(entries.shape)}")
+        words = np.array(entries.astype(self.dtype).view(self._raw_mx))
+        pages = words.reshape(heads, count // PAGE, PAGE, width).transpose(1, 0, 2, 3)  # page-major
+        try:
+            self._file.write(np.ascontiguousarray(pages).tobytes())
+            self._file.flush()
+        except OSError as err:
+            raise MlxEvictError(f"cannot write pages to {self.path}: {err.strerror or err}") from None
+        self.pages += count // PAGE
+
+    def read(self, index: np.ndarray) -> mx.array:
+        """``(heads, k * PAGE, width)``: page ``index[h, j]`` of head ``h``, for each of the ``k`` columns."""
+        if self._map is None or self._map.shape[0] != self.pages:
+            self._map = np.memmap(self.path, self._raw_np, "r", shape=(self.pages, self.heads, PAGE, self.width))
+        index = np.asarray(index)
+        if index.size and (index.min() < 0 or index.max() >= self.pages):
+            raise IndexError(f"page index out of range: the store holds {self.pages} pages")
+        got = self._map[index, np.arange(self.heads)[:, None]]  # heads, k, PAGE, width
+        self.bytes_read += got.nbytes
+        return mx.array(got.reshape(self.heads, -1, self.width)).view(self.dtype)
+
+    def close(self) -> None:
+        """Delete the file (reading after this is an error)."""
+        self._map = None
+        if not self._file.closed:
+            self._file.close()
+        self._finalize()

@@ -1,0 +1,180 @@
+"""Paged storage: what the cache evicts goes to a page store on disk, and comes back by page when it is needed.
+
+At 12.5% of a 16-bit full cache's bytes any eviction of a long context loses the facts asked
+later (docs/tiers.md): what is evicted is gone. Here it is not: every evicted entry is written,
+in the model's dtype, to a :class:`~mlxevict.page_store.PageStore` (a file; on a Mac, the SSD) in
+pages of ``PAGE`` entries, and a ``bits``-bit copy of its key (the *sketch*: per entry, groups of
+64 channels, ``mx.quantize``) stays in memory. Each call scores every whole page for each
+kv-head by the attention mass its sketched keys would take from the call's queries
+(``logsumexp`` over the page of ``scale · q·k̂``, the most over the kv-head's query heads and the
+call's tokens), reads the ``pages`` best back from the store, and attends to them beside the
+entries held and the unfinished last page (held in memory until it is whole).
+
+Memory (what :attr:`nbytes` counts): the entries held (the cache's budget), the sketch (2 bits a
+channel and a 16-bit scale and bias per 64 channels: 20 bytes per evicted entry and kv-head for a
+head dim of 64, 7.8% of a 16-bit entry), the unfinished page, and, for the length of one call,
+the pages read. The sketch grows with the context: :func:`~mlxevict.plan.paged_tokens` sizes the
+entries held so that all of it fits a memory budget at the tokens expected. Each call reads
+``pages · PAGE`` entries per layer and kv-head from the store; a call waits for the choice
+(one sync per layer). Measured in docs/tiers.md; the sketch's scoring was the pilot's
+(``benchmarks/paged.py``, ``shared-32s2``), whose rows this storage reproduces.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import create_causal_mask
+
+from .dense_storage import DenseStorage
+from .errors import MlxEvictError
+from .page_store import PAGE, PageStore
+
+DEFAULT_PAGES = 32  # pages read back per call and kv-head: 512 entries (the pilot's shared-32s2)
+SKETCH_BITS = 2
+
+
+def sketch_group(head_dim: int) -> int:
+    """Channels per sketch scale: 64, or 32 for a head dim 64 does not divide."""
+    for group in (64, 32):
+        if head_dim % group == 0:
+            return group
+    raise MlxEvictError(f"a paged cache needs a head dim that 32 divides; this model's is {head_dim}")
+
+
+def sketch_bytes(head_dim: int, bits: int = SKETCH_BITS, scale_bytes: int = 2) -> int:
+    """Bytes of one key's sketch: ``bits`` a channel, a 16-bit scale and bias per :func:`sketch_group` channels."""
+    return head_dim * bits // 8 + 2 * scale_bytes * (head_dim // sketch_group(head_dim))
+
+
+class PagedStorage(DenseStorage):
+    """Dense entries under the budget; every entry compaction drops goes to a page store and is read back by page.
+
+    The cache's compaction gathers the kept slots to the front in time order and the dropped ones
+    after them (:func:`mlxevict.kernels.compact`), so the slots ``[n_keep, size)`` it hands back are
+    the entries evicted, oldest first: :meth:`set_slots` moves them to the store.
+
+    Args:
+        folder: where the page file goes (it must exist); the file is deleted with the cache.
+        pages: pages read back per call and kv-head. Default 32.
+        bits: the sketch's bits, one of ``mx.quantize``'s (2-6, 8). Default 2.
+    """
+
+    def __init__(self, folder: str | Path, pages: int = DEFAULT_PAGES, bits: int = SKETCH_BITS) -> None:
+        super().__init__()
+        folder = Path(folder).expanduser()
+        if not folder.is_dir():
+            raise MlxEvictError(f"page folder {folder} does not exist; make it first or name another")
+        if pages < 0 or bits not in (2, 3, 4, 5, 6, 8):
+            raise MlxEvictError(f"pages={pages}, bits={bits}: pages must be 0 or more, bits one of 2-6 or 8")
+        self.folder, self.pages, self.bits = folder, pages, bits
+        self.store: Optional[PageStore] = None
+        self.sketch: Optional[list[mx.array]] = None  # mx.quantize's (words, scales, biases) of every evicted key
+        self.tail: Optional[mx.array] = None  # (B, H, < PAGE, D + Dv): evicted entries short of a whole page
+        self.evicted = 0  # entries in the store and the tail
+        self._cut: Optional[tuple[int, int]] = None
+
+    # ---- what compaction drops ---------------------------------------------
+    def limit_groups(self, rank_key: mx.array, n_keep: int, size: int, budget: int) -> tuple[mx.array, int]:
+        self._cut = (n_keep, size)  # the compaction that follows drops slots [n_keep, size)
+        return rank_key, n_keep
+
+    def set_slots(self, arrays: list[mx.array]) -> None:
+        super().set_slots(arrays)
+        if self._cut is not None:
+            a, b = self._cut
+            self._cut = None
+            self._spill(self.keys[..., a:b, :], self.values[..., a:b, :])
+
+    def _spill(self, keys: mx.array, values: mx.array) -> None:
+        """Sketch ``(B, H, n, D)`` evicted keys; write whole pages of them and their values to the store."""
+        B, H, n, D = keys.shape
+        sketch = mx.quantize(keys, group_size=sketch_group(D), bits=self.bits)
+        if self.sketch is None:
+            self.sketch = list(sketch)
+        else:
+            self.sketch = [mx.concatenate([s, t], axis=2) for s, t in zip(self.sketch, sketch)]
+        entries = mx.concatenate([keys, values], axis=-1)
+        tail = entries if self.tail is None else mx.concatenate([self.tail, entries], axis=2)
+        whole = tail.shape[2] // PAGE * PAGE
+        if whole:
+            if self.store is None:
+                self.store = PageStore(self.folder, B * H, tail.shape[3], keys.dtype)
+            self.store.append(tail[:, :, :whole].reshape(B * H, whole, tail.shape[3]))
+        self.tail = tail[:, :, whole:]
+        self.evicted += n
+        mx.eval(self.sketch, self.tail)
+
+    # ---- attention -----------------------------------------------------------
+    def attend(self, queries, keys, values, scale, mask, sinks=None) -> Optional[mx.array]:
+        if self.sketch is None or sinks is not None:
+            return None
+        B, H, S, D = keys.shape
+        _, Hq, L, _ = queries.shape
+        full = self.store.pages if self.store is not None else 0
+        k = min(self.pages, full)
+        paged, seen = self.tail, mx.ones((B, Hq, L, self.tail.shape[2]), mx.bool_)  # the unfinished page: seen
+        if k:
+            read, chosen = self._read(queries, scale, full, k)
+            paged = mx.concatenate([read, paged], axis=2)
+            seen = mx.concatenate([mx.repeat(mx.repeat(chosen, Hq // H, axis=1), PAGE, axis=-1), seen], axis=-1)
+        paged = paged.astype(keys.dtype)
+        keys = mx.concatenate([paged[..., :D], keys], axis=2)
+        values = mx.concatenate([paged[..., D:], values], axis=2)
+        if isinstance(mask, mx.array):
+            kept = mask if mask.dtype == mx.bool_ else mask > -1e9
+        elif mask == "causal":
+            kept = create_causal_mask(L, S - L)
+        else:
+            kept = mx.ones((L, S), mx.bool_)
+        mask = mx.concatenate([seen, mx.broadcast_to(kept, (B, Hq, L, S))], axis=-1)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    def _read(self, queries: mx.array, scale: float, full: int, k: int) -> tuple[mx.array, mx.array]:
+        """The pages this call's tokens choose, read from the store: ``(B, H, U*PAGE, D+Dv)`` entries, the union of
+        each kv-head's tokens' ``k`` best whole pages (``U`` the most any kv-head reads), and ``(B, H, L, U)``: which
+        of them each token chose (for each token, the ``k`` pages its kv-head's query heads score highest)."""
+        B, H = self.tail.shape[:2]
+        L = queries.shape[2]
+        words, scales, biases = (x[:, :, : full * PAGE] for x in self.sketch)
+        q = (scale * queries).reshape(B, H, -1, queries.shape[-1])  # a kv-head's query heads, then tokens
+        group = sketch_group(queries.shape[-1])
+        s = mx.quantized_matmul(q, words, scales, biases, transpose=True, group_size=group, bits=self.bits)
+        score = mx.logsumexp(s.reshape(B, H, -1, L, full, PAGE), axis=-1).max(axis=2)  # B, H, L, full
+        kth = mx.sort(score, axis=-1)[..., -k:][..., :1]
+        chosen = np.array(score >= kth)  # waits for the choice: the pages are read on the host
+        union = chosen.any(axis=2)  # B, H, full
+        width = int(union.sum(axis=-1).max())
+        # Each kv-head's pages in order, padded with its first (never chosen there) to the widest head's count.
+        index = np.argsort(~union, axis=-1, kind="stable")[..., :width]
+        used = np.take_along_axis(union, index, axis=-1)
+        index = np.where(used, index, index[..., :1])
+        picked = np.take_along_axis(chosen, index[:, :, None, :], axis=-1) & used[:, :, None, :]
+        read = self.store.read(index.reshape(B * H, width)).reshape(B, H, width * PAGE, -1)
+        return read, mx.array(picked)
+
+    # ---- bytes ---------------------------------------------------------------
+    def arrays(self) -> list[mx.array]:
+        """The entries held, the sketch and the unfinished page: the memory this storage holds."""
+        extra = [] if self.sketch is None else [*self.sketch, self.tail]
+        return [*super().arrays(), *extra]
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.store.disk_bytes if self.store is not None else 0
+
+    @property
+    def bytes_read(self) -> int:
+        return self.store.bytes_read if self.store is not None else 0
+
+    def close(self) -> None:
+        """Delete the page file now (it is deleted with the storage anyway)."""
+        if self.store is not None:
+            self.store.close()
+
+    # ---- save / load: not yet ------------------------------------------------
+    def meta(self) -> dict[str, Any]:
+        raise MlxEvictError("a paged cache cannot be saved yet: its evicted entries are in a temporary page file")
