@@ -139,8 +139,10 @@ def paged_caches(model: nn.Module, policy: str, budget: int | str, page_dir: str
     tokens = plan.tokens if plan.request.tokens is not None else paged_tokens(plan.request, model, expected_tokens, pages)
     for note in plan.notes:
         warnings.warn(note, stacklevel=3)
-    caches = [EvictingKVCache(policy, tokens, storage=PagedStorage(page_dir, pages), **options, **policy_kwargs)
-              for _ in model.layers]  # fmt: skip
+    # A budget in memory holds the sketch of the tokens expected beyond the entries held, and no more.
+    limit = None if plan.request.tokens is not None else max(0, (expected_tokens or plan.context_limit) - tokens)
+    caches = [EvictingKVCache(policy, tokens, storage=PagedStorage(page_dir, pages, sketch_limit=limit), **options,
+                              **policy_kwargs) for _ in model.layers]  # fmt: skip
     patch(model)
     shard = model_shard(model)
     for cache in caches:

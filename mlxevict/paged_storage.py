@@ -4,20 +4,20 @@ At 12.5% of a 16-bit full cache's bytes any eviction of a long context loses the
 later (docs/tiers.md): what is evicted is gone. Here it is not: every evicted entry is written,
 in the model's dtype, to a :class:`~mlxevict.page_store.PageStore` (a file; on a Mac, the SSD) in
 pages of ``PAGE`` entries, and a ``bits``-bit copy of its key (the *sketch*: per entry, groups of
-64 channels, ``mx.quantize``) stays in memory. Each call scores every whole page for each
-kv-head by the attention mass its sketched keys would take from the call's queries
-(``logsumexp`` over the page of ``scale · q·k̂``, the most over the kv-head's query heads and the
-call's tokens), reads the ``pages`` best back from the store, and attends to them beside the
-entries held and the unfinished last page (held in memory until it is whole).
+64 channels, ``mx.quantize``) stays in memory. For each token of a call, each kv-head scores every
+whole page by the attention mass its sketched keys would take (``logsumexp`` over the page of
+``scale · q·k̂``, the most over the kv-head's query heads); the token attends to its ``pages``
+best beside the entries held and the unfinished last page (held in memory until it is whole).
+A call reads from the store the union of its tokens' pages (``pages`` a kv-head for one token).
 
-Memory (what :attr:`nbytes` counts): the entries held (the cache's budget), the sketch (2 bits a
-channel and a 16-bit scale and bias per 64 channels: 20 bytes per evicted entry and kv-head for a
-head dim of 64, 7.8% of a 16-bit entry), the unfinished page, and, for the length of one call,
-the pages read. The sketch grows with the context: :func:`~mlxevict.plan.paged_tokens` sizes the
-entries held so that all of it fits a memory budget at the tokens expected. Each call reads
-``pages · PAGE`` entries per layer and kv-head from the store; a call waits for the choice
-(one sync per layer). Measured in docs/tiers.md; the sketch's scoring was the pilot's
-(``benchmarks/paged.py``, ``shared-32s2``), whose rows this storage reproduces.
+Memory: :attr:`nbytes` counts the entries held (the cache's budget), the sketch (2 bits a channel
+and a 16-bit scale and bias per 64 channels: 20 bytes per evicted entry and kv-head for a head dim
+of 64, 7.8% of a 16-bit entry) and the unfinished page; the pages read live for one layer's call.
+The sketch grows with the context: :func:`~mlxevict.plan.paged_tokens` sizes the entries held so
+that all of it, and one layer's pages read, fit a memory budget at the tokens expected. A decode
+step reads ``pages · PAGE`` entries per layer and kv-head from the store (a prompt chunk: the union
+of its tokens' choices), and waits for the choice (one sync per layer). Measured in docs/tiers.md;
+the scoring is the pilot's (``benchmarks/paged.py``, ``shared-32s2``), whose logits it reproduces.
 """
 
 from __future__ import annotations
@@ -61,9 +61,12 @@ class PagedStorage(DenseStorage):
         folder: where the page file goes (it must exist); the file is deleted with the cache.
         pages: pages read back per call and kv-head. Default 32.
         bits: the sketch's bits, one of ``mx.quantize``'s (2-6, 8). Default 2.
+        sketch_limit: most evicted entries sketched (what a memory budget holds); past it the oldest whole
+            pages lose their sketch and are never read back (evicted for good). ``None``: no limit.
     """
 
-    def __init__(self, folder: str | Path, pages: int = DEFAULT_PAGES, bits: int = SKETCH_BITS) -> None:
+    def __init__(self, folder: str | Path, pages: int = DEFAULT_PAGES, bits: int = SKETCH_BITS,
+                 sketch_limit: Optional[int] = None) -> None:
         super().__init__()
         folder = Path(folder).expanduser()
         if not folder.is_dir():
@@ -75,6 +78,8 @@ class PagedStorage(DenseStorage):
         self.sketch: Optional[list[mx.array]] = None  # mx.quantize's (words, scales, biases) of every evicted key
         self.tail: Optional[mx.array] = None  # (B, H, < PAGE, D + Dv): evicted entries short of a whole page
         self.evicted = 0  # entries in the store and the tail
+        self.sketch_limit = sketch_limit
+        self.first_page = 0  # the oldest page still sketched (those before it are never read back)
         self._cut: Optional[tuple[int, int]] = None
 
     # ---- what compaction drops ---------------------------------------------
@@ -106,6 +111,11 @@ class PagedStorage(DenseStorage):
             self.store.append(tail[:, :, :whole].reshape(B * H, whole, tail.shape[3]))
         self.tail = tail[:, :, whole:]
         self.evicted += n
+        over = self.sketch[0].shape[2] - self.sketch_limit if self.sketch_limit is not None else 0
+        drop = min(-(-over // PAGE), self.store.pages - self.first_page if self.store else 0) if over > 0 else 0
+        if drop:  # the oldest whole pages: evicted for good, the memory flat
+            self.sketch = [x[:, :, drop * PAGE :] for x in self.sketch]
+            self.first_page += drop
         mx.eval(self.sketch, self.tail)
 
     # ---- attention -----------------------------------------------------------
@@ -114,7 +124,7 @@ class PagedStorage(DenseStorage):
             return None
         B, H, S, D = keys.shape
         _, Hq, L, _ = queries.shape
-        full = self.store.pages if self.store is not None else 0
+        full = self.store.pages - self.first_page if self.store is not None else 0
         k = min(self.pages, full)
         paged, seen = self.tail, mx.ones((B, Hq, L, self.tail.shape[2]), mx.bool_)  # the unfinished page: seen
         if k:
@@ -153,7 +163,7 @@ class PagedStorage(DenseStorage):
         used = np.take_along_axis(union, index, axis=-1)
         index = np.where(used, index, index[..., :1])
         picked = np.take_along_axis(chosen, index[:, :, None, :], axis=-1) & used[:, :, None, :]
-        read = self.store.read(index.reshape(B * H, width)).reshape(B, H, width * PAGE, -1)
+        read = self.store.read(self.first_page + index.reshape(B * H, width)).reshape(B, H, width * PAGE, -1)
         return read, mx.array(picked)
 
     # ---- bytes ---------------------------------------------------------------
@@ -177,4 +187,5 @@ class PagedStorage(DenseStorage):
 
     # ---- save / load: not yet ------------------------------------------------
     def meta(self) -> dict[str, Any]:
-        raise MlxEvictError("a paged cache cannot be saved yet: its evicted entries are in a temporary page file")
+        """Marks a saved state as paged: its evicted entries were in a temporary file, so it does not load."""
+        return {"paged": self.pages}

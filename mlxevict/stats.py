@@ -29,6 +29,8 @@ class CacheStats:
         full_precision_window: with ``kv_bits``, the newest tokens kept in the model's dtype
             (or in ``window_bits``).
         window_bits: 8 when that window is stored in 8 bits, else ``None``.
+        disk_nbytes: bytes of evicted entries in a page store on disk (``page_dir``), all layers.
+        read_nbytes: bytes read back from it so far.
     """
 
     policy: str
@@ -43,6 +45,8 @@ class CacheStats:
     kv_bits: int | tuple[int, int] | None = None
     full_precision_window: int | None = None
     window_bits: int | None = None
+    disk_nbytes: int = 0
+    read_nbytes: int = 0
 
     @property
     def saved_nbytes(self) -> int:
@@ -82,4 +86,6 @@ def cache_stats(caches: Sequence[EvictingKVCache]) -> CacheStats:
         kv_bits=first.kv_bits,
         full_precision_window=first.full_precision_window if first.kv_bits else None,
         window_bits=first.window_bits if first.kv_bits else None,
+        disk_nbytes=sum(getattr(c.storage, "disk_bytes", 0) for c in evicting),
+        read_nbytes=sum(getattr(c.storage, "bytes_read", 0) for c in evicting),
     )

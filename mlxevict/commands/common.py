@@ -99,8 +99,13 @@ def build_caches(
 ) -> list:
     """``make_cache`` from the command line's options, with CLI wording on errors (``expected_tokens``: the
     prompt's and the answer's, when known)."""
-    plan = plan_budget(model, request, storage_flags(args), expected_tokens)
+    page_dir = getattr(args, "page_dir", None)
+    plan = plan_budget(model, request, storage_flags(args) if page_dir is None else KVStorage(), expected_tokens)
     try:
+        if page_dir is not None:  # the planner's paged rule sizes a budget in memory
+            budget = request if request.tokens is None else plan.tokens
+            return make_cache(model, args.policy, budget, sinks=args.sinks, window=args.window, page_dir=page_dir,
+                              expected_tokens=expected_tokens, **({"pages": args.pages} if args.pages else {}))  # fmt: skip
         return make_cache(
             model, args.policy, plan.tokens, sinks=args.sinks, window=args.window, **plan.storage.options()
         )
@@ -123,6 +128,8 @@ def stats_line(finished: Finished, ranks: Optional[list[RankStats]] = None) -> s
         held = f"{format_bytes(c.nbytes)} vs {format_bytes(c.full_nbytes)} full"
         held += f" ({bits_label(c.kv_bits)})" if c.kv_bits else ""
         parts.append(f"KV kept {c.kept}/{c.budget}, evicted {c.evicted}, {held}")
+        if c.disk_nbytes:
+            parts.append(f"pages {format_bytes(c.disk_nbytes)} on disk, {format_bytes(c.read_nbytes)} read")
     parts.append(f"peak {format_bytes(p.memory.mlx_peak)}")
     if ranks:
         parts.append(rank_line(ranks))

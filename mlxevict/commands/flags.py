@@ -146,6 +146,23 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_page_options(parser: argparse.ArgumentParser) -> None:
+    """``--page-dir`` and ``--pages``: evicted entries written to disk and read back by page."""
+    group = parser.add_argument_group("page store")
+    group.add_argument(
+        "--page-dir",
+        metavar="DIR",
+        help="write evicted KV entries to a file in DIR (an SSD) and read back, each step, the 16-entry pages the "
+        "queries need; a --budget in memory then counts the entries held, a 2-bit copy of every evicted key "
+        "(7.8%% of a 16-bit entry) and the pages read. The model's dtype only (no --kv-bits); the file is deleted "
+        "at exit",
+    )
+    group.add_argument(
+        "--pages", type=int, default=None, metavar="N", help="with --page-dir: pages read back per step and kv-head "
+        "(default 32: 512 entries)",
+    )
+
+
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     """``--max-tokens``, ``--temp``, ``--top-p``, ``--top-k``, ``--min-p``, ``--seed``, as mlx_lm.generate's."""
     group = parser.add_argument_group("sampling")

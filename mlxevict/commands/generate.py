@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from ..errors import MlxEvictError
 from .flags import (
     add_cache_options,
+    add_page_options,
     add_model_argument,
     add_sampling_options,
     add_template_options,
@@ -71,6 +72,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_template_options(parser)
     add_cache_options(parser)
+    add_page_options(parser)
     add_sampling_options(parser)
     parser.set_defaults(func=run_generate)
 
@@ -134,6 +136,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.prefill_step_size is not None and args.prefill_step_size < 1:
         raise MlxEvictError(f"--prefill-step-size {args.prefill_step_size} must be at least 1")
+    if args.page_dir and (args.prompt_cache_file or storage_flags(args)):
+        raise MlxEvictError("--page-dir keeps entries in the model's dtype and cannot be saved: leave out "
+                            "--kv-bits and its storage flags, and --prompt-cache-file")  # fmt: skip
+    if args.pages is not None and not args.page_dir:
+        raise MlxEvictError("--pages needs --page-dir: the folder the evicted pages go to")
     saved = load_saved(args) if args.prompt_cache_file else None
     request = budget_option(args)
     storage_flags(args)  # bad storage options fail before a model loads

@@ -1,0 +1,146 @@
+"""The paged cache (``mlxevict.paged_storage``): evicted entries in a page store on disk, read back by page."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import save_prompt_cache
+from tiny_models import random_tokens, run_chunks, tiny_model
+
+import mlxevict
+from mlxevict.benchmarks import caches as bcaches
+from mlxevict.errors import MlxEvictError
+from mlxevict.page_store import PAGE, PageStore
+from mlxevict.plan import paged_tokens, parse_budget
+
+CHUNKS = [32] * 12 + [1] * 16  # 400 tokens streamed into 128 entries, then single steps
+
+
+def run(model, tmp_path, pages: int, budget="128", **kwargs):
+    caches = mlxevict.make_cache(model, "default", budget, page_dir=tmp_path, pages=pages, **kwargs)
+    return run_chunks(model, caches, random_tokens(sum(CHUNKS)), CHUNKS), caches
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_a_page_comes_back_as_it_was_written(tmp_path, dtype):
+    entries = mx.random.normal((6, 3 * PAGE, 40)).astype(dtype)
+    store = PageStore(tmp_path, 6, 40, dtype)
+    store.append(entries[:, :PAGE])
+    store.append(entries[:, PAGE:])
+    index = np.array([[2, 0]] * 3 + [[1, 1]] * 3)  # head h reads its pages index[h]
+    got = store.read(index)
+    want = mx.stack([mx.concatenate([entries[h, p * PAGE : (p + 1) * PAGE] for p in index[h]]) for h in range(6)])
+    assert got.dtype == dtype and mx.array_equal(got, want)
+    assert store.disk_bytes == os.path.getsize(store.path) == 3 * 6 * PAGE * 40 * dtype.size
+    with pytest.raises(IndexError):
+        store.read(np.array([[3]] * 6))
+    path = store.path
+    store.close()
+    assert not os.path.exists(path)
+
+
+def test_every_page_read_back_is_the_full_cache_and_none_is_the_evicting_cache(tmp_path):
+    model = tiny_model(head_dim=64)  # the sketch quantizes 64 (or 32) channels a group
+    tokens = random_tokens(sum(CHUNKS))
+    full = run_chunks(model, bcaches.make_caches(model, "kvcache", None, bcaches.CacheSettings()), tokens, CHUNKS)
+    plain = run_chunks(model, mlxevict.make_cache(model, "default", 128), tokens, CHUNKS)
+    every, caches = run(model, tmp_path, 1000)
+    none, _ = run(model, tmp_path, 0)
+    some, _ = run(model, tmp_path, 2)
+    s = caches[0].storage
+    assert caches[0].evictions > 0 and s.evicted + caches[0].size() == caches[0].offset  # nothing lost
+    assert s.store.pages == s.evicted // PAGE and s.tail.shape[2] == s.evicted % PAGE
+    assert mx.allclose(every, full, atol=1e-4) and not mx.allclose(plain, full, atol=1e-3)
+    gap = lambda x: mx.abs(x - full).max().item()  # noqa: E731
+    # Reading nothing back still attends to the unfinished page, so it is not the plain cache either.
+    assert gap(every) < gap(some) < gap(plain) and gap(some) < gap(none)
+    assert s.bytes_read > 0
+
+
+def test_its_logits_are_the_pilots_that_chose_the_storage(tmp_path):
+    model = tiny_model(head_dim=64)
+    pilot = run_chunks(model, bcaches.make_caches(model, "shared-2s2", 128, bcaches.CacheSettings()),
+                       random_tokens(sum(CHUNKS)), CHUNKS)  # fmt: skip
+    assert mx.allclose(run(model, tmp_path, 2)[0], pilot, atol=1e-5)
+
+
+def test_a_memory_budget_holds_the_entries_the_sketch_and_the_pages_within_it(tmp_path):
+    model = tiny_model(head_dim=64)
+    budget = 400_000  # bytes; a float32 full cache of 400 tokens takes 819,200
+    tokens = paged_tokens(parse_budget(f"{budget}B"), model, sum(CHUNKS), pages=2)
+    fewer = paged_tokens(parse_budget(f"{budget}B"), model, 2 * sum(CHUNKS), pages=2)
+    assert 0 < fewer < tokens < sum(CHUNKS)  # more tokens expected: a larger sketch, fewer entries held
+    _, caches = run(model, tmp_path, 2, f"{budget}B", expected_tokens=sum(CHUNKS))
+    assert caches[0].budget == tokens and caches[0].evictions > 0
+    entry = 2 * 64 * 4 * 2  # one layer's keys and values of one token, float32, 2 kv-heads
+    assert sum(c.nbytes for c in caches) + 2 * PAGE * entry <= budget  # the pages read: one layer's
+    # Fed twice the tokens it was sized for, it stays within the budget: the oldest pages lose their sketch.
+    _, caches = run(model, tmp_path, 2, f"{budget}B", expected_tokens=sum(CHUNKS) // 2)
+    s = caches[0].storage
+    assert s.first_page > 0 and s.sketch[0].shape[2] <= s.sketch_limit
+    assert sum(c.nbytes for c in caches) + 2 * PAGE * entry <= budget
+    with pytest.raises(MlxEvictError, match="holds no token with a page store"):
+        paged_tokens(parse_budget("20KB"), model, 4096, pages=2)
+
+
+def test_the_page_files_go_with_the_cache_and_bad_settings_are_one_line(tmp_path):
+    model = tiny_model(head_dim=64)
+    _, caches = run(model, tmp_path, 2)
+    assert len(os.listdir(tmp_path)) == len(caches)
+    saved = tmp_path.parent / f"{tmp_path.name}-saved.safetensors"
+    save_prompt_cache(str(saved), caches)
+    with pytest.raises(ValueError, match="saved with a page store"):
+        mlxevict.load_cache(saved, model)
+    del caches
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(MlxEvictError, match="does not exist"):
+        mlxevict.make_cache(model, "default", 128, page_dir=tmp_path / "missing")
+    with pytest.raises(ValueError, match="leave kv_bits out"):
+        mlxevict.make_cache(model, "default", 128, page_dir=tmp_path, kv_bits=4)
+    with pytest.raises(MlxEvictError, match="head dim that 32 divides"):
+        run(tiny_model(head_dim=16), tmp_path, 2)
+
+
+# ---- the command line: --page-dir, --pages -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny32(tmp_path_factory):
+    from model_files import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("paged") / "tiny32", hidden=128)  # head dim 32
+
+
+def generate(capsys, *args):
+    from mlxevict.cli import main
+
+    rc = main(["generate", *map(str, args)])
+    return rc, *capsys.readouterr()
+
+
+def test_generate_with_a_page_dir_evicts_to_disk_and_says_what_it_read(capsys, tiny32, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc, out, err = generate(capsys, tiny32, "-p", "hello " * 40, "--budget", "48", "--page-dir", tmp_path,
+                            "--pages", "2", "-m", "40", "--temp", "0")  # fmt: skip
+    assert rc == 0, err
+    stats = err.strip().splitlines()[-1]
+    assert re.search(r"KV kept \d+/48, evicted [1-9]\d*, .* \| pages [0-9.]+ KiB on disk, [0-9.]+ [KM]iB read", stats)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--pages", "4"], "--pages needs --page-dir"),
+        (["--page-dir", "DIR", "--kv-bits", "4"], "--page-dir keeps entries in the model's dtype"),
+        (["--page-dir", "DIR/missing"], "does not exist"),
+    ],
+)
+def test_bad_page_settings_are_one_line(capsys, tiny32, tmp_path, monkeypatch, args, message):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = [a.replace("DIR", str(tmp_path)) for a in args]
+    rc, out, err = generate(capsys, tiny32, "-p", "hello", "-m", "2", *args)
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
