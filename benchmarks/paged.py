@@ -36,11 +36,11 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import create_causal_mask
 
 import mlxevict
 from mlxevict.cache import EvictingKVCache
 from mlxevict.dense_storage import DenseStorage
+from mlxevict.paged_storage import held_mask
 
 from .storage_variants import fake_quant
 
@@ -165,13 +165,7 @@ class PagedStorage(DenseStorage):
                 self._count(chosen.any(axis=(2, 3)), L)
             chosen = mx.repeat(chosen.reshape(B, Hq, L, full), PAGE, axis=-1)
             seen = mx.concatenate([chosen, seen], axis=-1)
-        if isinstance(mask, mx.array):
-            kept = mask if mask.dtype == mx.bool_ else mask > -1e9
-        elif mask == "causal":
-            kept = create_causal_mask(L, S - L)
-        else:
-            kept = mx.ones((L, S), mx.bool_)
-        kept = mx.broadcast_to(kept, (B, Hq, L, S))
+        kept = held_mask(mask, (B, Hq, L, S))
         keys, values = mx.concatenate([sk, keys], axis=2), mx.concatenate([sv, values], axis=2)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                     mask=mx.concatenate([seen, kept], axis=-1))  # fmt: skip

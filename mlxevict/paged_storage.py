@@ -50,6 +50,19 @@ def sketch_bytes(head_dim: int, bits: int = SKETCH_BITS, scale_bytes: int = 2) -
     return head_dim * bits // 8 + 2 * scale_bytes * (head_dim // sketch_group(head_dim))
 
 
+def held_mask(mask: Any, shape: tuple[int, int, int, int]) -> mx.array:
+    """The model's mask over the entries held (an array, boolean or added; ``"causal"``; ``None``) as a
+    boolean ``(B, Hq, L, S)`` array, to stand beside the pages'."""
+    L, S = shape[2:]
+    if isinstance(mask, mx.array):
+        kept = mask if mask.dtype == mx.bool_ else mask > -1e9
+    elif mask == "causal":
+        kept = create_causal_mask(L, S - L)
+    else:
+        kept = mx.ones((L, S), mx.bool_)
+    return mx.broadcast_to(kept, shape)
+
+
 class PagedStorage(DenseStorage):
     """Dense entries under the budget; every entry compaction drops goes to a page store and is read back by page.
 
@@ -134,13 +147,7 @@ class PagedStorage(DenseStorage):
         paged = paged.astype(keys.dtype)
         keys = mx.concatenate([paged[..., :D], keys], axis=2)
         values = mx.concatenate([paged[..., D:], values], axis=2)
-        if isinstance(mask, mx.array):
-            kept = mask if mask.dtype == mx.bool_ else mask > -1e9
-        elif mask == "causal":
-            kept = create_causal_mask(L, S - L)
-        else:
-            kept = mx.ones((L, S), mx.bool_)
-        mask = mx.concatenate([seen, mx.broadcast_to(kept, (B, Hq, L, S))], axis=-1)
+        mask = mx.concatenate([seen, held_mask(mask, (B, Hq, L, S))], axis=-1)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
     def _read(self, queries: mx.array, scale: float, full: int, k: int) -> tuple[mx.array, mx.array]:
