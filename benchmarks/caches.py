@@ -177,7 +177,7 @@ def entries_within(model: nn.Module, name: str, fraction: float, context: int, s
     """
     limit = int(fraction * context * layer_kv_bytes_per_token(model, 2))
     if DISK.fullmatch(name):  # the entries held, the sketch of the rest, the unfinished pages and one call's read
-        request = BudgetRequest(name, nbytes=limit * len(model.layers))
+        request = BudgetRequest(name, nbytes=limit)  # limit: all layers
         return paged_tokens(request, model, context, int(name[5:]), dtype_size=2)
     if name == "rotating":
         return min(context, limit // layer_kv_bytes_per_token(model, 2))

@@ -144,3 +144,15 @@ def test_bad_page_settings_are_one_line(capsys, tiny32, tmp_path, monkeypatch, a
     args = [a.replace("DIR", str(tmp_path)) for a in args]
     rc, out, err = generate(capsys, tiny32, "-p", "hello", "-m", "2", *args)
     assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_a_disk_row_of_the_long_suite_counts_the_sketch_in_its_share_of_memory():
+    from mlxevict.benchmarks.long_feed import budget_for, kv_fraction
+    from mlxevict.benchmarks.long_runs import Run
+
+    model, n, settings = tiny_model(head_dim=64), sum(CHUNKS), bcaches.CacheSettings()
+    budget = budget_for(model, Run("disk-2", "memory", 0.5), n, settings)
+    assert budget < 0.5 * n * 0.9  # fewer entries held than the share's tokens: the sketch and pages take the rest
+    caches = bcaches.make_caches(model, "disk-2", budget, settings)
+    run_chunks(model, caches, random_tokens(n), CHUNKS)
+    assert caches[0].evictions > 0 and kv_fraction(model, caches, n) <= 0.5
