@@ -71,7 +71,7 @@ class PagedStorage(DenseStorage):
     the entries evicted, oldest first: :meth:`set_slots` moves them to the store.
 
     Args:
-        folder: where the page file goes (it must exist); the file is deleted with the cache.
+        folder: where the page file goes (made if missing); the file is deleted with the cache.
         pages: pages read back per call and kv-head. Default 32.
         bits: the sketch's bits, one of ``mx.quantize``'s (2-6, 8). Default 2.
         sketch_limit: most evicted entries sketched (what a memory budget holds); past it the oldest whole
@@ -82,8 +82,10 @@ class PagedStorage(DenseStorage):
                  sketch_limit: Optional[int] = None) -> None:
         super().__init__()
         folder = Path(folder).expanduser()
-        if not folder.is_dir():
-            raise MlxEvictError(f"page folder {folder} does not exist; make it first or name another")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise MlxEvictError(f"cannot make page folder {folder}: {err.strerror or err}") from None
         if pages < 0 or bits not in (2, 3, 4, 5, 6, 8):
             raise MlxEvictError(f"pages={pages}, bits={bits}: pages must be 0 or more, bits one of 2-6 or 8")
         self.folder, self.pages, self.bits = folder, pages, bits

@@ -99,8 +99,11 @@ def test_the_page_files_go_with_the_cache_and_bad_settings_are_one_line(tmp_path
     del caches
     gc.collect()
     assert os.listdir(tmp_path) == []
-    with pytest.raises(MlxEvictError, match="does not exist"):
-        mlxevict.make_cache(model, "default", 128, page_dir=tmp_path / "missing")
+    mlxevict.make_cache(model, "default", 128, page_dir=tmp_path / "new" / "pages")
+    assert (tmp_path / "new" / "pages").is_dir()  # made, as an output folder is
+    (tmp_path / "file").write_text("")
+    with pytest.raises(MlxEvictError, match="cannot make page folder"):
+        mlxevict.make_cache(model, "default", 128, page_dir=tmp_path / "file" / "pages")
     with pytest.raises(ValueError, match="leave kv_bits out"):
         mlxevict.make_cache(model, "default", 128, page_dir=tmp_path, kv_bits=4)
     with pytest.raises(MlxEvictError, match="head dim that 32 divides"):
@@ -136,11 +139,12 @@ def test_generate_with_a_page_dir_evicts_to_disk_and_says_what_it_read(capsys, t
     [
         (["--pages", "4"], "--pages needs --page-dir"),
         (["--page-dir", "DIR", "--kv-bits", "4"], "--page-dir keeps entries in the model's dtype"),
-        (["--page-dir", "DIR/missing"], "does not exist"),
+        (["--page-dir", "DIR/file/pages"], "cannot make page folder"),
     ],
 )
 def test_bad_page_settings_are_one_line(capsys, tiny32, tmp_path, monkeypatch, args, message):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "file").write_text("")
     args = [a.replace("DIR", str(tmp_path)) for a in args]
     rc, out, err = generate(capsys, tiny32, "-p", "hello", "-m", "2", *args)
     assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
