@@ -160,3 +160,16 @@ def test_a_disk_row_of_the_long_suite_counts_the_sketch_in_its_share_of_memory()
     caches = bcaches.make_caches(model, "disk-2", budget, settings)
     run_chunks(model, caches, random_tokens(n), CHUNKS)
     assert caches[0].evictions > 0 and kv_fraction(model, caches, n) <= 0.5
+
+
+@pytest.mark.parametrize("budget", [64, 256])
+def test_its_memory_with_the_sketch_is_never_above_a_full_cache(tmp_path, budget):
+    from mlxevict.stats import cache_stats
+
+    model, tokens = tiny_model(head_dim=64), random_tokens(520)
+    caches = mlxevict.make_cache(model, "default", budget, page_dir=tmp_path, pages=2)
+    for i in range(tokens.shape[0]):  # token by token: the full cache's steps of 256 are crossed twice
+        model(tokens[None, i : i + 1], cache=caches)
+        stats = cache_stats(caches)
+        assert stats.nbytes <= stats.full_nbytes, (i, stats.nbytes, stats.full_nbytes)
+    assert stats.evicted > 0 and caches[0].storage.sketch is not None
