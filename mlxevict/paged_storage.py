@@ -35,6 +35,7 @@ from .page_store import PAGE, PageStore
 
 DEFAULT_PAGES = 32  # pages read back per call and kv-head: 512 entries (the pilot's shared-32s2)
 SKETCH_BITS = 2
+SCORE_TOKENS = 16  # a prompt chunk's tokens scored at a time: their scores over every evicted entry are transient
 
 
 def sketch_group(head_dim: int) -> int:
@@ -158,11 +159,18 @@ class PagedStorage(DenseStorage):
         of them each token chose (for each token, the ``k`` pages its kv-head's query heads score highest)."""
         B, H = self.tail.shape[:2]
         L = queries.shape[2]
-        words, scales, biases = (x[:, :, : full * PAGE] for x in self.sketch)
-        q = (scale * queries).reshape(B, H, -1, queries.shape[-1])  # a kv-head's query heads, then tokens
+        sketch = [x[:, :, : full * PAGE] for x in self.sketch]
         group = sketch_group(queries.shape[-1])
-        s = mx.quantized_matmul(q, words, scales, biases, transpose=True, group_size=group, bits=self.bits)
-        score = mx.logsumexp(s.reshape(B, H, -1, L, full, PAGE), axis=-1).max(axis=2)  # B, H, L, full
+        q = (scale * queries).reshape(B, H, -1, L, queries.shape[-1])  # a kv-head's query heads, then tokens
+        pieces = []
+        for t in range(0, L, SCORE_TOKENS):  # a prompt chunk in pieces: tokens x evicted entries scores each
+            piece = q[:, :, :, t : t + SCORE_TOKENS]
+            s = mx.quantized_matmul(piece.reshape(B, H, -1, piece.shape[-1]), *sketch, transpose=True,
+                                    group_size=group, bits=self.bits)  # fmt: skip
+            pieces.append(mx.logsumexp(s.reshape(B, H, -1, piece.shape[3], full, PAGE), axis=-1).max(axis=2))
+            if L > SCORE_TOKENS:
+                mx.eval(pieces[-1])
+        score = mx.concatenate(pieces, axis=2) if len(pieces) > 1 else pieces[0]  # B, H, L, full
         kth = mx.sort(score, axis=-1)[..., -k:][..., :1]
         chosen = np.array(score >= kth)  # waits for the choice: the pages are read on the host
         union = chosen.any(axis=2)  # B, H, full
