@@ -40,6 +40,12 @@ from .paged import is_paged, make_paged
 
 DISK = re.compile(r"disk-(\d+)")  # the product's paged cache (mlxevict.paged_storage), K pages read back a call
 
+
+def disk_pages(name: str) -> int | None:
+    """``disk-K``: the product's paged cache reading back K pages a call; ``None`` for any other name."""
+    match = DISK.fullmatch(name)
+    return int(match.group(1)) if match else None
+
 REFERENCE = "kvcache"
 QUANTIZED_BASELINES = {"quantized8": 8, "quantized4": 4, "quantized3": 3}  # name: bits
 MLX_LM_CACHES = ("kvcache", "rotating", *QUANTIZED_BASELINES)
@@ -115,7 +121,7 @@ def check_budget(name: str, budget: int, settings: CacheSettings) -> str | None:
     """Why ``budget`` cannot run for ``name`` (one line), or ``None`` when it can."""
     if not takes_budget(name):
         return None
-    policy = "default" if is_paged(name) or DISK.fullmatch(name) else split_storage(name)[0]
+    policy = "default" if is_paged(name) or disk_pages(name) is not None else split_storage(name)[0]
     floor = settings.sinks + 1 if name == "rotating" else settings.protected(budget, policy) + 1
     if budget < floor:
         return (
@@ -149,8 +155,8 @@ def make_caches(model: nn.Module, name: str, budget: int | None, settings: Cache
         return [QuantizedKVCache(group_size=QUANT_GROUP, bits=QUANTIZED_BASELINES[name]) for _ in range(layers)]
     if is_paged(name):
         return make_paged(model, name, budget, sinks=settings.sinks, window=settings.window, slack=settings.slack)
-    if DISK.fullmatch(name):
-        return mlxevict.make_cache(model, "default", budget, page_dir=tempfile.gettempdir(), pages=int(name[5:]),
+    if disk_pages(name) is not None:
+        return mlxevict.make_cache(model, "default", budget, page_dir=tempfile.gettempdir(), pages=disk_pages(name),
                                    sinks=settings.sinks, window=settings.window, slack=settings.slack)  # fmt: skip
     # "full" never evicts: its budget is never reached, any valid number will do.
     size = budget if takes_budget(name) else DEFAULT_BUDGET
@@ -176,9 +182,9 @@ def entries_within(model: nn.Module, name: str, fraction: float, context: int, s
     entries in the high tier (:func:`mlxevict.plan.plan_cache` does not cap them either).
     """
     limit = int(fraction * context * layer_kv_bytes_per_token(model, 2))
-    if DISK.fullmatch(name):  # the entries held, the sketch of the rest, the unfinished pages and one call's read
+    if disk_pages(name) is not None:  # the entries held, the sketch of the rest, the unfinished pages and one read
         request = BudgetRequest(name, nbytes=limit)  # limit: all layers
-        return paged_tokens(request, model, context, int(name[5:]), dtype_size=2)
+        return paged_tokens(request, model, context, disk_pages(name), dtype_size=2)
     if name == "rotating":
         return min(context, limit // layer_kv_bytes_per_token(model, 2))
     shape = kv_shape(model)
@@ -296,7 +302,7 @@ def check_cache(name: str, flag: str) -> None:
 
 def _known(name: str) -> bool:
     base, storage = split_storage(name)
-    return is_paged(name) or bool(DISK.fullmatch(name)) or (base in cache_names() and not (storage and base in MLX_LM_CACHES))
+    return is_paged(name) or disk_pages(name) is not None or (base in cache_names() and not (storage and base in MLX_LM_CACHES))
 
 
 def layer_kv_bytes_per_token(model: nn.Module, dtype_size: int) -> int:

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import storage_variants as sv
-from .caches import DISK, CacheSettings, entries_within, kv_bytes_16bit, layer_kv_bytes_per_token, make_caches, split_storage
+from .caches import CacheSettings, disk_pages, entries_within, kv_bytes_16bit, layer_kv_bytes_per_token, make_caches, split_storage
 from .long_runs import SEEDS, LongConfig, Run
 from .long_tasks import LongRow, make_long_rows, make_long_texts, make_recall_texts, text_leads
 
@@ -80,7 +80,7 @@ def budget_for(model: nn.Module, run: Run, length: int, settings: CacheSettings)
     """Entries per layer for ``run`` at ``length``; ``None`` for unbudgeted caches."""
     if run.fraction is None or run.cache in sv.VARIANTS:
         return None
-    if run.budget_of == "memory" and (split_storage(run.cache)[1] or DISK.fullmatch(run.cache)):  # the sketch counted
+    if run.budget_of == "memory" and (split_storage(run.cache)[1] or disk_pages(run.cache) is not None):  # the sketch counted
         return entries_within(model, run.cache, run.fraction, length, settings)
     return max(1, round(run.fraction * length))
 

@@ -15,6 +15,8 @@ from .model_patch import check_supported, patch
 from .distributed import model_shard
 from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, KVBits, KVStorage
 from .paged_storage import DEFAULT_PAGES, PagedStorage
+from .budget import parse_budget
+from .geometry import context_limit
 from .plan import paged_tokens, plan_cache
 from .quantized import QuantizedEvictingKVCache
 
@@ -102,31 +104,36 @@ def make_cache(
             work, or a ``kv_bits``/``kv_group_size`` the model cannot use.
     """
     check_supported(model)  # before anything reads the model's geometry
-    if page_dir is not None:
-        return paged_caches(model, policy, budget, page_dir, pages, expected_tokens, kv_bits,
-                            dict(sinks=sinks, window=window, slack=slack, prompt_mode=prompt_mode, pinned=pinned),
-                            policy_kwargs)  # fmt: skip
-    given = KVStorage.of(
-        kv_bits, kv_group_size if kv_bits is not None else None, full_precision_window, window_bits, kv_rotate,
-        key_group=key_group, low_bits=low_bits, eight_bit_layers=eight_bit_layers if kv_bits is not None else (),
-    )  # fmt: skip
-    # Without kv_bits the planner chooses: the dtype for tokens, its memory rule for a budget in memory.
-    plan = plan_cache(model, budget, given if given.quantized else None, eight_bit_layers=eight_bit_layers,
-                      expected_tokens=expected_tokens)  # fmt: skip
-    for note in plan.notes:
-        warnings.warn(note, stacklevel=2)
     options: dict[str, Any] = dict(sinks=sinks, window=window, slack=slack, prompt_mode=prompt_mode, pinned=pinned)
-    eight = plan.storage.eight_bit_layers
-    beyond = [str(i) for i in eight if i >= len(model.layers)]
-    if beyond:
-        raise ValueError(f"no layer {', '.join(beyond)} to hold in 8 bits: the model has layers 0 to {len(model.layers) - 1}")
-    layer_storage = {i: plan.storage.eight_bit if i in eight else plan.storage.uniform for i in range(len(model.layers))}
-    caches = [layer_cache(policy, plan.tokens, layer_storage[i], options, policy_kwargs) for i in range(len(model.layers))]
+    if page_dir is not None:
+        caches = paged_caches(model, policy, budget, page_dir, pages, expected_tokens, kv_bits, options, policy_kwargs)
+    else:
+        caches = planned_caches(model, policy, budget, options, policy_kwargs, KVStorage.of(
+            kv_bits, kv_group_size if kv_bits is not None else None, full_precision_window, window_bits, kv_rotate,
+            key_group=key_group, low_bits=low_bits, eight_bit_layers=eight_bit_layers if kv_bits is not None else (),
+        ), eight_bit_layers, expected_tokens)  # fmt: skip
     patch(model)
     shard = model_shard(model)  # a sharded model's caches hold its block of heads
     for cache in caches:
         cache.shard = shard
     return caches
+
+
+def planned_caches(model: nn.Module, policy: str, budget: int | str, options: dict[str, Any],
+                   policy_kwargs: dict[str, Any], given: KVStorage, eight_bit_layers: Sequence[int] | None,
+                   expected_tokens: int | None) -> list[EvictingKVCache]:  # fmt: skip
+    """``make_cache``'s caches without a page store: the storage asked for (``given``) or the planner's."""
+    # Without kv_bits the planner chooses: the dtype for tokens, its memory rule for a budget in memory.
+    plan = plan_cache(model, budget, given if given.quantized else None, eight_bit_layers=eight_bit_layers,
+                      expected_tokens=expected_tokens)  # fmt: skip
+    for note in plan.notes:
+        warnings.warn(note, stacklevel=3)
+    eight = plan.storage.eight_bit_layers
+    beyond = [str(i) for i in eight if i >= len(model.layers)]
+    if beyond:
+        raise ValueError(f"no layer {', '.join(beyond)} to hold in 8 bits: the model has layers 0 to {len(model.layers) - 1}")
+    layer_storage = {i: plan.storage.eight_bit if i in eight else plan.storage.uniform for i in range(len(model.layers))}
+    return [layer_cache(policy, plan.tokens, layer_storage[i], options, policy_kwargs) for i in range(len(model.layers))]
 
 
 def paged_caches(model: nn.Module, policy: str, budget: int | str, page_dir: str | Path, pages: int,
@@ -135,19 +142,17 @@ def paged_caches(model: nn.Module, policy: str, budget: int | str, page_dir: str
     """``make_cache`` with a page store: entries held in the model's dtype, the evicted ones written to ``page_dir``."""
     if kv_bits is not None:
         raise ValueError("a paged cache holds its entries in the model's dtype: leave kv_bits out with page_dir")
-    plan = plan_cache(model, budget, DTYPE)
-    tokens = plan.tokens if plan.request.tokens is not None else paged_tokens(plan.request, model, expected_tokens, pages)
-    for note in plan.notes:
-        warnings.warn(note, stacklevel=3)
-    # A budget in memory holds the sketch of the tokens expected beyond the entries held, and no more.
-    limit = None if plan.request.tokens is not None else max(0, (expected_tokens or plan.context_limit) - tokens)
-    caches = [EvictingKVCache(policy, tokens, storage=PagedStorage(page_dir, pages, sketch_limit=limit), **options,
-                              **policy_kwargs) for _ in model.layers]  # fmt: skip
-    patch(model)
-    shard = model_shard(model)
-    for cache in caches:
-        cache.shard = shard
-    return caches
+    request, limit = parse_budget(budget), None
+    if request.tokens is not None:  # the dtype's plan: capped at the context, with a note
+        plan = plan_cache(model, request, DTYPE)
+        tokens = plan.tokens
+        for note in plan.notes:
+            warnings.warn(note, stacklevel=3)
+    else:  # a budget in memory holds the sketch of the tokens expected beyond the entries held, and no more
+        tokens = paged_tokens(request, model, expected_tokens, pages)
+        limit = max(0, (expected_tokens or context_limit(model)) - tokens)
+    return [EvictingKVCache(policy, tokens, storage=PagedStorage(page_dir, pages, sketch_limit=limit), **options,
+                            **policy_kwargs) for _ in model.layers]  # fmt: skip
 
 
 def layer_cache(policy: str, budget: int, storage: KVStorage, options: dict[str, Any],

@@ -147,7 +147,7 @@ def paged_tokens(
     tokens = expected_tokens or context_limit(model_or_config)
     if not tokens:
         raise MlxEvictError("a paged cache with a budget in memory needs the tokens expected (the model's context is unknown)")
-    entry = 2 * shape.head_dim * shape.dtype_size * shape.kv_heads  # one layer's keys and values of one token
+    entry = shape.bytes_per_token // shape.layers  # one layer's keys and values of one token
     sketch = sketch_bytes(shape.head_dim, scale_bytes=shape.dtype_size) * shape.kv_heads
     fixed = shape.layers * (PAGE - 1) * entry + pages * PAGE * entry
     room = request_nbytes(request, available) - fixed - shape.layers * sketch * tokens

@@ -12,7 +12,7 @@ from ..chat_session import STORAGE_KEYS  # noqa: F401 (make_cache's storage argu
 from ..errors import MlxEvictError
 from ..events import Finished
 from ..launch import RankStats, launched, load_sharded, rank_line
-from ..kvstorage import FLAGS, NONE, KVStorage, bits_label, parse_bits, parse_layers
+from ..kvstorage import DTYPE, FLAGS, NONE, KVStorage, bits_label, parse_bits, parse_layers
 from ..make import make_cache
 from ..memory import format_bytes
 from ..plan import CachePlan, plan_cache
@@ -100,12 +100,15 @@ def build_caches(
     """``make_cache`` from the command line's options, with CLI wording on errors (``expected_tokens``: the
     prompt's and the answer's, when known)."""
     page_dir = getattr(args, "page_dir", None)
-    plan = plan_budget(model, request, storage_flags(args) if page_dir is None else KVStorage(), expected_tokens)
-    try:
-        if page_dir is not None:  # the planner's paged rule sizes a budget in memory
-            budget = request if request.tokens is None else plan.tokens
+    if page_dir is not None:  # make_cache sizes a budget in memory by the paged rule (plan.paged_tokens)
+        budget = request if request.tokens is None else plan_budget(model, request, DTYPE).tokens
+        try:
             return make_cache(model, args.policy, budget, sinks=args.sinks, window=args.window, page_dir=page_dir,
                               expected_tokens=expected_tokens, **({"pages": args.pages} if args.pages else {}))  # fmt: skip
+        except ValueError as err:
+            raise MlxEvictError(str(err)) from None
+    plan = plan_budget(model, request, storage_flags(args), expected_tokens)
+    try:
         return make_cache(
             model, args.policy, plan.tokens, sinks=args.sinks, window=args.window, **plan.storage.options()
         )
