@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,12 +35,15 @@ HANG_GUARD_S = 600  # a bound so a hung launch fails the test instead of the sui
 
 
 def free_port(count: int) -> int:
-    """A first port with ``count`` free ports after it (the ring listens on one per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count < 65535 and all(_free(base + i) for i in range(1, count)):
+    """A first port with ``count`` free ports after it (the ring listens on one per rank), below the
+    ephemeral range, so a connection's own local port (the ranks' too) cannot take it before a rank binds."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low, high = (int(n) for n in ranges.read_text().split()) if ranges.exists() else (49152, 65535)  # macOS's
+    top = low - count if low > 20000 + count else 65535 - count
+    bottom = 20000 if low > 20000 + count else high + 1
+    for _ in range(200):
+        base = random.randrange(bottom, top)
+        if all(_free(base + i) for i in range(count)):
             return base
     raise RuntimeError("no free ports")
 
@@ -63,8 +67,9 @@ def env() -> dict[str, str]:
     return os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def run(command: list[str], stdin: str = "") -> subprocess.CompletedProcess:
-    """Run to the end; stdin stays open (at EOF mlx.launch polls it in a busy loop that takes a core)."""
+def run(command: list[str], stdin: str = "", tries: int = 3) -> subprocess.CompletedProcess:
+    """Run to the end; stdin stays open (at EOF mlx.launch polls it in a busy loop that takes a core).
+    A launch whose port another program bound after ``free_port`` looked is run again on new ports."""
     read, write = os.pipe()
     os.write(write, stdin.encode())
     proc = subprocess.Popen(command, stdin=read, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
@@ -74,6 +79,10 @@ def run(command: list[str], stdin: str = "") -> subprocess.CompletedProcess:
         end(proc)
         os.close(read)
         os.close(write)
+    if "Couldn't bind socket" in err and "-p" in command and tries > 1:
+        at = command.index("-p") + 1
+        ranks = int(command[command.index("-n") + 1])
+        return run([*command[:at], str(free_port(ranks)), *command[at + 1 :]], stdin, tries - 1)
     # mlx.launch exits 0 even when a rank fails, so its output says whether every rank finished.
     assert "exited with code" not in err and "mlxevict: error" not in err, err[-3000:]
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
