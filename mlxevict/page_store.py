@@ -5,15 +5,15 @@ unified memory the budget counts). Entries are written in the order they are evi
 of them a page; page ``p`` of every kv-head is one record, so what a head reads back
 (``PAGE`` entries, keys and values side by side: 4 KiB for a head dim of 64 in 16 bits) is one
 contiguous block. The bytes are the model's own (bfloat16 included), written and read as raw
-words, so an entry comes back exactly as it left. The file is deleted when the store is closed,
-garbage collected or the process exits.
+words, so an entry comes back exactly as it left. The file is unlinked as soon as it is made: it
+has no name in the folder, takes disk space while the store is open, and none once the store is
+closed, garbage collected or its process ends, however it ends (a killed process leaves nothing).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,13 +23,6 @@ from .errors import MlxEvictError
 
 PAGE = 16  # entries per page (Quest's page size)
 _RAW = {1: (mx.uint8, np.uint8), 2: (mx.uint16, np.uint16), 4: (mx.uint32, np.uint32)}  # item size: raw words
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class PageStore:
@@ -47,10 +40,10 @@ class PageStore:
             raise MlxEvictError(f"a page store cannot hold {dtype} entries")
         try:
             fd, self.path = tempfile.mkstemp(prefix="mlxevict-", suffix=".pages", dir=folder)
+            os.unlink(self.path)  # the open file lives on, nameless, until it is closed or the process ends
         except OSError as err:
             raise MlxEvictError(f"cannot write pages to {folder}: {err.strerror or err}") from None
-        self._file = os.fdopen(fd, "wb")
-        self._finalize = weakref.finalize(self, _remove, self.path)
+        self._file = os.fdopen(fd, "w+b")
         self.heads, self.width, self.dtype = heads, width, dtype
         self._raw_mx, self._raw_np = _RAW[dtype.size]
         self.pages = 0  # whole pages written
@@ -83,7 +76,7 @@ class PageStore:
     def read(self, index: np.ndarray) -> mx.array:
         """``(heads, k * PAGE, width)``: page ``index[h, j]`` of head ``h``, for each of the ``k`` columns."""
         if self._map is None or self._map.shape[0] != self.pages:
-            self._map = np.memmap(self.path, self._raw_np, "r", shape=(self.pages, self.heads, PAGE, self.width))
+            self._map = np.memmap(self._file, self._raw_np, "r", shape=(self.pages, self.heads, PAGE, self.width))
         index = np.asarray(index)
         if index.size and (index.min() < 0 or index.max() >= self.pages):
             raise IndexError(f"page index out of range: the store holds {self.pages} pages")
@@ -92,8 +85,6 @@ class PageStore:
         return mx.array(got.reshape(self.heads, -1, self.width)).view(self.dtype)
 
     def close(self) -> None:
-        """Delete the file (reading after this is an error)."""
+        """Free the file's disk space now (reading after this is an error)."""
         self._map = None
-        if not self._file.closed:
-            self._file.close()
-        self._finalize()
+        self._file.close()

@@ -72,7 +72,7 @@ class PagedStorage(DenseStorage):
     the entries evicted, oldest first: :meth:`set_slots` moves them to the store.
 
     Args:
-        folder: where the page file goes (made if missing); the file is deleted with the cache.
+        folder: where the page file goes (made if missing); it is nameless there, and freed with the cache.
         pages: pages read back per call and kv-head. Default 32.
         bits: the sketch's bits, one of ``mx.quantize``'s (2-6, 8). Default 2.
         sketch_limit: most evicted entries sketched (what a memory budget holds); past it the oldest whole
@@ -198,7 +198,7 @@ class PagedStorage(DenseStorage):
         return self.store.bytes_read if self.store is not None else 0
 
     def close(self) -> None:
-        """Delete the page file now (it is deleted with the storage anyway)."""
+        """Free the page file's disk space now (it is freed with the storage anyway)."""
         if self.store is not None:
             self.store.close()
 
