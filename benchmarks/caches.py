@@ -38,13 +38,19 @@ from mlxevict.plan import paged_tokens, protected_room
 
 from .paged import is_paged, make_paged
 
-DISK = re.compile(r"disk-(\d+)")  # the product's paged cache (mlxevict.paged_storage), K pages read back a call
+DISK = re.compile(r"disk-(\d+)([ru]?)")  # the product's paged cache (mlxevict.paged_storage), K pages read back a call
 
 
 def disk_pages(name: str) -> int | None:
-    """``disk-K``: the product's paged cache reading back K pages a call; ``None`` for any other name."""
+    """``disk-K``: the product's paged cache reading back K pages a call (``disk-Kr``: its sketch rotated,
+    ``disk-Ku``: not; ``disk-K``: the product's default); ``None`` for any other name."""
     match = DISK.fullmatch(name)
     return int(match.group(1)) if match else None
+
+
+def disk_rotate(name: str) -> bool | None:
+    """A ``disk-K`` name's sketch rotation: ``True`` (``r``), ``False`` (``u``) or ``None`` (the default)."""
+    return {"r": True, "u": False}.get(DISK.fullmatch(name).group(2))
 
 REFERENCE = "kvcache"
 QUANTIZED_BASELINES = {"quantized8": 8, "quantized4": 4, "quantized3": 3}  # name: bits
@@ -157,7 +163,8 @@ def make_caches(model: nn.Module, name: str, budget: int | None, settings: Cache
         return make_paged(model, name, budget, sinks=settings.sinks, window=settings.window, slack=settings.slack)
     if disk_pages(name) is not None:
         return mlxevict.make_cache(model, "default", budget, page_dir=tempfile.gettempdir(), pages=disk_pages(name),
-                                   sinks=settings.sinks, window=settings.window, slack=settings.slack)  # fmt: skip
+                                   kv_rotate=disk_rotate(name), sinks=settings.sinks, window=settings.window,
+                                   slack=settings.slack)  # fmt: skip
     # "full" never evicts: its budget is never reached, any valid number will do.
     size = budget if takes_budget(name) else DEFAULT_BUDGET
     policy, storage = split_storage(name)

@@ -14,7 +14,7 @@ from .tiered_storage import TieredStorage
 from .model_patch import check_supported, patch
 from .distributed import model_shard
 from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, KVBits, KVStorage
-from .paged_storage import DEFAULT_PAGES, PagedStorage
+from .paged_storage import DEFAULT_PAGES, ROTATE_SKETCH, PagedStorage
 from .budget import parse_budget
 from .geometry import context_limit
 from .plan import paged_tokens, plan_cache
@@ -73,7 +73,8 @@ def make_cache(
             model's dtype. Default: ``min(32, budget // 8)``.
         kv_rotate: with ``kv_bits``, store keys and values rotated by a fixed
             orthogonal matrix (exact in attention, smaller 4-bit error).
-            Default ``None``: when keys or values are under 8 bits.
+            Default ``None``: when keys or values are under 8 bits. With ``page_dir``: the 2-bit copy
+            of the evicted keys (:class:`~mlxevict.paged_storage.PagedStorage`'s ``rotate``).
         window_bits: with storage under 8 bits, 8 stores the recent window in 8 bits
             instead of the model's dtype. Default ``None``.
         key_group: with key bits under 8 and ``window_bits=8``, quantize keys per channel over
@@ -106,7 +107,8 @@ def make_cache(
     check_supported(model)  # before anything reads the model's geometry
     options: dict[str, Any] = dict(sinks=sinks, window=window, slack=slack, prompt_mode=prompt_mode, pinned=pinned)
     if page_dir is not None:
-        caches = paged_caches(model, policy, budget, page_dir, pages, expected_tokens, kv_bits, options, policy_kwargs)
+        caches = paged_caches(model, policy, budget, page_dir, pages, expected_tokens, kv_bits, kv_rotate, options,
+                              policy_kwargs)  # fmt: skip
     else:
         caches = planned_caches(model, policy, budget, options, policy_kwargs, KVStorage.of(
             kv_bits, kv_group_size if kv_bits is not None else None, full_precision_window, window_bits, kv_rotate,
@@ -137,8 +139,8 @@ def planned_caches(model: nn.Module, policy: str, budget: int | str, options: di
 
 
 def paged_caches(model: nn.Module, policy: str, budget: int | str, page_dir: str | Path, pages: int,
-                 expected_tokens: int | None, kv_bits: KVBits | None, options: dict[str, Any],
-                 policy_kwargs: dict[str, Any]) -> list[EvictingKVCache]:  # fmt: skip
+                 expected_tokens: int | None, kv_bits: KVBits | None, kv_rotate: bool | None,
+                 options: dict[str, Any], policy_kwargs: dict[str, Any]) -> list[EvictingKVCache]:  # fmt: skip
     """``make_cache`` with a page store: entries held in the model's dtype, the evicted ones written to ``page_dir``."""
     if kv_bits is not None:
         raise ValueError("a paged cache holds its entries in the model's dtype: leave kv_bits out with page_dir")
@@ -151,8 +153,9 @@ def paged_caches(model: nn.Module, policy: str, budget: int | str, page_dir: str
     else:  # a budget in memory holds the sketch of the tokens expected beyond the entries held, and no more
         tokens = paged_tokens(request, model, expected_tokens, pages)
         limit = max(0, (expected_tokens or context_limit(model)) - tokens)
-    return [EvictingKVCache(policy, tokens, storage=PagedStorage(page_dir, pages, sketch_limit=limit), **options,
-                            **policy_kwargs) for _ in model.layers]  # fmt: skip
+    rotate = ROTATE_SKETCH if kv_rotate is None else kv_rotate
+    return [EvictingKVCache(policy, tokens, storage=PagedStorage(page_dir, pages, sketch_limit=limit, rotate=rotate),
+                            **options, **policy_kwargs) for _ in model.layers]  # fmt: skip
 
 
 def layer_cache(policy: str, budget: int, storage: KVStorage, options: dict[str, Any],

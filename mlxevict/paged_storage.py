@@ -32,9 +32,11 @@ from mlx_lm.models.cache import create_causal_mask
 from .dense_storage import DenseStorage
 from .errors import MlxEvictError
 from .page_store import PAGE, PageStore
+from .rotation import rotation_in
 
 DEFAULT_PAGES = 32  # pages read back per call and kv-head: 512 entries (the pilot's shared-32s2)
 SKETCH_BITS = 2
+ROTATE_SKETCH = False  # make_cache's default (kv_rotate=None) for the sketch
 SCORE_TOKENS = 16  # a prompt chunk's tokens scored at a time: their scores over every evicted entry are transient
 
 
@@ -77,10 +79,13 @@ class PagedStorage(DenseStorage):
         bits: the sketch's bits, one of ``mx.quantize``'s (2-6, 8). Default 2.
         sketch_limit: most evicted entries sketched (what a memory budget holds); past it the oldest whole
             pages lose their sketch and are never read back (evicted for good). ``None``: no limit.
+        rotate: sketch the keys rotated by :func:`~mlxevict.rotation.rotation_matrix` (and score with the
+            queries rotated the same way: ``(qR)·(kR) = q·k``), which spreads the few large key channels that
+            make a 2-bit group coarse. Default ``False``.
     """
 
     def __init__(self, folder: str | Path, pages: int = DEFAULT_PAGES, bits: int = SKETCH_BITS,
-                 sketch_limit: Optional[int] = None) -> None:
+                 sketch_limit: Optional[int] = None, rotate: bool = False) -> None:
         super().__init__()
         folder = Path(folder).expanduser()
         try:
@@ -89,7 +94,7 @@ class PagedStorage(DenseStorage):
             raise MlxEvictError(f"cannot make page folder {folder}: {err.strerror or err}") from None
         if pages < 0 or bits not in (2, 3, 4, 5, 6, 8):
             raise MlxEvictError(f"pages={pages}, bits={bits}: pages must be 0 or more, bits one of 2-6 or 8")
-        self.folder, self.pages, self.bits = folder, pages, bits
+        self.folder, self.pages, self.bits, self.rotate = folder, pages, bits, rotate
         self.store: Optional[PageStore] = None
         self.sketch: Optional[list[mx.array]] = None  # mx.quantize's (words, scales, biases) of every evicted key
         self.tail: Optional[mx.array] = None  # (B, H, < PAGE, D + Dv): evicted entries short of a whole page
@@ -113,7 +118,7 @@ class PagedStorage(DenseStorage):
     def _spill(self, keys: mx.array, values: mx.array) -> None:
         """Sketch ``(B, H, n, D)`` evicted keys; write whole pages of them and their values to the store."""
         B, H, n, D = keys.shape
-        sketch = mx.quantize(keys, group_size=sketch_group(D), bits=self.bits)
+        sketch = mx.quantize(self._turned(keys), group_size=sketch_group(D), bits=self.bits)
         if self.sketch is None:
             self.sketch = list(sketch)
         else:
@@ -153,15 +158,14 @@ class PagedStorage(DenseStorage):
         mask = mx.concatenate([seen, held_mask(mask, (B, Hq, L, S))], axis=-1)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
-    def _read(self, queries: mx.array, scale: float, full: int, k: int) -> tuple[mx.array, mx.array]:
-        """The pages this call's tokens choose, read from the store: ``(B, H, U*PAGE, D+Dv)`` entries, the union of
-        each kv-head's tokens' ``k`` best whole pages (``U`` the most any kv-head reads), and ``(B, H, L, U)``: which
-        of them each token chose (for each token, the ``k`` pages its kv-head's query heads score highest)."""
+    def page_scores(self, queries: mx.array, scale: float, full: int) -> mx.array:
+        """``(B, H, L, full)``: each token's score of the first ``full`` sketched pages, per kv-head: ``logsumexp``
+        over a page's entries of ``scale · q·k̂`` (``k̂`` the sketch), the most over the kv-head's query heads."""
         B, H = self.tail.shape[:2]
         L = queries.shape[2]
         sketch = [x[:, :, : full * PAGE] for x in self.sketch]
         group = sketch_group(queries.shape[-1])
-        q = (scale * queries).reshape(B, H, -1, L, queries.shape[-1])  # a kv-head's query heads, then tokens
+        q = self._turned(scale * queries).reshape(B, H, -1, L, queries.shape[-1])  # a kv-head's query heads, tokens
         pieces = []
         for t in range(0, L, SCORE_TOKENS):  # a prompt chunk in pieces: tokens x evicted entries scores each
             piece = q[:, :, :, t : t + SCORE_TOKENS]
@@ -170,7 +174,14 @@ class PagedStorage(DenseStorage):
             pieces.append(mx.logsumexp(s.reshape(B, H, -1, piece.shape[3], full, PAGE), axis=-1).max(axis=2))
             if L > SCORE_TOKENS:
                 mx.eval(pieces[-1])
-        score = mx.concatenate(pieces, axis=2) if len(pieces) > 1 else pieces[0]  # B, H, L, full
+        return mx.concatenate(pieces, axis=2) if len(pieces) > 1 else pieces[0]
+
+    def _read(self, queries: mx.array, scale: float, full: int, k: int) -> tuple[mx.array, mx.array]:
+        """The pages this call's tokens choose, read from the store: ``(B, H, U*PAGE, D+Dv)`` entries, the union of
+        each kv-head's tokens' ``k`` best whole pages (``U`` the most any kv-head reads), and ``(B, H, L, U)``: which
+        of them each token chose (for each token, the ``k`` pages its kv-head's query heads score highest)."""
+        B, H = self.tail.shape[:2]
+        score = self.page_scores(queries, scale, full)
         kth = mx.sort(score, axis=-1)[..., -k:][..., :1]
         chosen = np.array(score >= kth)  # waits for the choice: the pages are read on the host
         union = chosen.any(axis=2)  # B, H, full
@@ -182,6 +193,10 @@ class PagedStorage(DenseStorage):
         picked = np.take_along_axis(chosen, index[:, :, None, :], axis=-1) & used[:, :, None, :]
         read = self.store.read(self.first_page + index.reshape(B * H, width)).reshape(B, H, width * PAGE, -1)
         return read, mx.array(picked)
+
+    def _turned(self, x: mx.array) -> mx.array:
+        """Keys or queries as the sketch holds them: rotated (``rotate``) or as they are."""
+        return x @ rotation_in(x.shape[-1], x.dtype) if self.rotate else x
 
     # ---- bytes ---------------------------------------------------------------
     def arrays(self) -> list[mx.array]:

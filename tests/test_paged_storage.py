@@ -15,6 +15,7 @@ import mlxevict
 from mlxevict.benchmarks import caches as bcaches
 from mlxevict.errors import MlxEvictError
 from mlxevict.page_store import PAGE, PageStore
+from mlxevict.paged_storage import PagedStorage
 from mlxevict.plan import paged_tokens, parse_budget
 
 CHUNKS = [32] * 12 + [1] * 16  # 400 tokens streamed into 128 entries, then single steps
@@ -67,6 +68,26 @@ def test_its_logits_are_the_pilots_that_chose_the_storage(tmp_path):
     pilot = run_chunks(model, bcaches.make_caches(model, "shared-2s2", 128, bcaches.CacheSettings()),
                        random_tokens(sum(CHUNKS)), CHUNKS)  # fmt: skip
     assert mx.allclose(run(model, tmp_path, 2)[0], pilot, atol=1e-5)
+
+
+def exact_page_scores(queries, keys, scale):
+    """What the sketch approximates: per kv-head, the most over its query heads of logsumexp over a page."""
+    B, H, S, D = keys.shape
+    q = (scale * queries).reshape(B, H, -1, queries.shape[2], D)
+    s = (q @ keys[:, :, None].swapaxes(-1, -2)).reshape(B, H, q.shape[2], q.shape[3], S // PAGE, PAGE)
+    return mx.logsumexp(s, axis=-1).max(axis=2)
+
+
+def test_page_scores_are_the_keys_own_with_the_sketch_rotated_or_not(tmp_path):
+    mx.random.seed(3)
+    B, H, S, D = 1, 2, 8 * PAGE, 64
+    keys = mx.random.normal((B, H, S, D)) * mx.where(mx.arange(D) == 5, 12.0, 1.0)  # one outlier channel
+    queries = mx.random.normal((B, 2 * H, 3, D))
+    want = exact_page_scores(queries, keys, 0.125)
+    for rotate in (False, True):
+        storage = PagedStorage(tmp_path, 2, bits=8, rotate=rotate)
+        storage._spill(keys, mx.zeros_like(keys))
+        assert mx.abs(storage.page_scores(queries, 0.125, S // PAGE) - want).max().item() < 0.05  # (qR)·(kR) = q·k
 
 
 def test_a_memory_budget_holds_the_entries_the_sketch_and_the_pages_within_it(tmp_path):
