@@ -85,7 +85,8 @@ class ChatApp(App[int]):
         self.save_dir = save_dir
         self.settings: tuple[str, int] = (getattr(session, "policy", "default"), getattr(session, "budget", 0))
         # The settings as asked for (a budget in memory, a storage), which the dialog and palette start from.
-        self.choice = Choice(self.settings[0], str(self.settings[1]), getattr(session, "storage_request", None))
+        asked = getattr(session, "page_budget", None) or str(self.settings[1])  # a paged cache's budget in memory
+        self.choice = Choice(self.settings[0], asked, getattr(session, "storage_request", None))
         self.storage_label = storage_label(session)
         self.pending_settings: Choice | None = None
         self.turns: list[TurnRecord] = []

@@ -147,11 +147,12 @@ class StatsPanel(VerticalScroll):
         share = f" ({saved / c.full_nbytes:.0%})" if c.full_nbytes else ""
         # Quantized storage saves bytes too: say so, or the saving reads as eviction alone.
         storage = f" ({bits_label(c.kv_bits)})" if c.kv_bits else ""
+        disk = f"\non disk {format_bytes(c.disk_nbytes)} · read {format_bytes(c.read_nbytes)}" if c.disk_nbytes else ""
         text.update(
             f"kept [b]{format_count(c.kept)}[/b] / {format_count(c.capacity)} slots\n"
             f"evicted [b]{format_count(c.evicted)}[/b] of {format_count(c.tokens_seen)} seen\n"
             f"KV {format_bytes(c.nbytes)}{storage} · full {format_bytes(c.full_nbytes)}\n"
-            f"saved [b]{format_bytes(saved)}[/b]{share}"
+            f"saved [b]{format_bytes(saved)}[/b]{share}{disk}"
         )
 
     def show_speed(self, p: Progress) -> None:

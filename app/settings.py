@@ -27,7 +27,9 @@ KEEP_STORAGE = "keep"  # choose_settings: the storage asked for so far
 
 
 def storage_label(session: Any) -> str:
-    """``"5/3-bit"`` when the session's caches are quantized, else ``""``."""
+    """``"5/3-bit"`` when the session's caches are quantized, ``"evicted to disk"`` with a page store, else ``""``."""
+    if getattr(session, "paged", False):
+        return "evicted to disk"
     storage = getattr(session, "storage", None)
     return storage.label if isinstance(storage, KVStorage) and storage.quantized else ""
 
@@ -73,8 +75,7 @@ def configure(session: Any, choice: Choice) -> Applied:
     replan = getattr(session, "replan", None)
     if replan is not None:
         plan = replan(request, choice.storage, policy=choice.policy)
-        label = plan.storage.label if plan.storage.quantized else ""
-        return Applied(plan.tokens, request.text, label, plan.notes)
+        return Applied(plan.tokens, request.text, storage_label(session), plan.notes)
     if request.tokens is None or choice.storage is not None:
         raise ValueError(f"budget {request.text!r}: this session takes a budget in tokens and no --kv-bits")
     session.set_policy(choice.policy, request.tokens)

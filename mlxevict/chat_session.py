@@ -16,7 +16,8 @@ from .generate import DEFAULT_MAX_TOKENS, DEFAULT_TEMP, DEFAULT_TOP_P, Event, _e
 from .kvstorage import KVStorage
 from .make import make_cache
 from .memory import MemoryGuard
-from .plan import CachePlan, plan_cache
+from .paged_storage import DEFAULT_PAGES
+from .plan import CachePlan, paged_plan, plan_cache
 from .prompts import as_wrapper, encode_text, render
 from .stats import CacheStats, cache_stats
 
@@ -48,7 +49,8 @@ class ChatSession:
             (:meth:`replan`); ``None``: the planner's rule (the dtype for tokens, its choice for memory).
             Default: the quantized storage of ``cache_options``, if any.
         cache_options: ``sinks``, ``window``, ``slack``, ``prompt_mode`` and the storage
-            arguments (``kv_bits``...) for ``make_cache``.
+            arguments (``kv_bits``...) for ``make_cache``; or ``page_dir`` (and ``pages``) for a paged
+            cache, whose budget in memory (``"1.5GB"``) is ``budget`` itself.
 
     Raises:
         MlxEvictError: a policy or budget that cannot work.
@@ -60,7 +62,7 @@ class ChatSession:
         tokenizer: Any,
         *,
         policy: str = "default",
-        budget: int = DEFAULT_BUDGET,
+        budget: "int | str" = DEFAULT_BUDGET,
         system: Optional[str] = None,
         max_tokens: int = DEFAULT_MAX_TOKENS,
         temp: float = DEFAULT_TEMP,
@@ -82,7 +84,14 @@ class ChatSession:
         self._last_tokens: tuple[int, ...] = ()
         self._refeed = False
         self._stop = threading.Event()
-        self.policy, self.budget, self.cache_options = policy, budget, dict(cache_options)
+        self.policy, self.cache_options = policy, dict(cache_options)
+        # A paged cache sizes a budget in memory itself (the sketch of the evicted keys is part of it).
+        self.page_budget: Optional[str] = None
+        if isinstance(budget, str) or isinstance(budget, BudgetRequest):
+            plan = self._paged_plan(budget)
+            self.page_budget = None if plan.request.tokens is not None else plan.request.text
+            budget = plan.tokens
+        self.budget = budget
         if storage_request == FROM_OPTIONS:
             storage = KVStorage.from_options(**cache_options)
             storage_request = storage if storage.quantized else None
@@ -91,9 +100,19 @@ class ChatSession:
 
     def _new_caches(self) -> None:
         try:
-            self.caches = make_cache(self.model, self.policy, self.budget, **self.cache_options)
+            self.caches = make_cache(self.model, self.policy, self.page_budget or self.budget, **self.cache_options)
         except ValueError as err:
             raise _cache_error(err) from None
+
+    @property
+    def paged(self) -> bool:
+        """Whether evicted entries go to a page store (``page_dir``)."""
+        return bool(self.cache_options.get("page_dir"))
+
+    def _paged_plan(self, budget: "int | str | BudgetRequest") -> CachePlan:
+        if not self.paged:
+            raise ValueError(f"budget {budget!r}: a budget in memory is sized by replan() (or give page_dir)")
+        return paged_plan(self.model, budget, self.cache_options.get("pages", DEFAULT_PAGES))
 
     @property
     def storage(self) -> KVStorage:
@@ -117,6 +136,12 @@ class ChatSession:
         Raises:
             ValueError: a budget or storage that cannot work (the old settings stay).
         """
+        if self.paged:  # entries in the model's dtype; a budget in memory counts the sketch too
+            if storage is not None and storage.quantized:
+                raise ValueError("a paged cache (--page-dir) holds its entries in the model's dtype: no --kv-bits")
+            plan = self._paged_plan(budget)
+            self._apply(policy, plan.tokens, None, None if plan.request.tokens is not None else plan.request.text, {})
+            return plan
         plan = plan_cache(self.model, budget, storage)
         self.configure(policy=policy, budget=plan.tokens, storage=plan.storage)
         self.storage_request = storage
@@ -143,9 +168,15 @@ class ChatSession:
         Raises:
             MlxEvictError: the new settings cannot work (the old ones stay).
         """
-        old = (self.policy, self.budget, dict(self.cache_options), self.caches)
+        self._apply(policy, budget, storage, self.page_budget if budget is None else None, cache_options)
+
+    def _apply(self, policy: Optional[str], budget: Optional[int], storage: Optional[KVStorage],
+               page_budget: Optional[str], cache_options: dict[str, Any]) -> None:  # fmt: skip
+        """:meth:`configure`, with the paged cache's budget in memory (``page_budget``) given."""
+        old = (self.policy, self.budget, dict(self.cache_options), self.caches, self.page_budget)
         self.policy = policy or self.policy
         self.budget = budget or self.budget
+        self.page_budget = page_budget
         if storage is not None:
             kept = {k: v for k, v in self.cache_options.items() if k not in STORAGE_KEYS}
             self.cache_options = {**kept, **storage.options()}
@@ -153,7 +184,7 @@ class ChatSession:
         try:
             self._new_caches()
         except MlxEvictError:
-            self.policy, self.budget, self.cache_options, self.caches = old
+            self.policy, self.budget, self.cache_options, self.caches, self.page_budget = old
             raise
         self._refeed = bool(self.messages)
         self._free()

@@ -13,11 +13,10 @@ from .channel_storage import ChannelStorage
 from .tiered_storage import TieredStorage
 from .model_patch import check_supported, patch
 from .distributed import model_shard
-from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, KVBits, KVStorage
+from .kvstorage import DEFAULT_GROUP_SIZE, KVBits, KVStorage
 from .paged_storage import DEFAULT_PAGES, ROTATE_SKETCH, PagedStorage
-from .budget import parse_budget
 from .geometry import context_limit
-from .plan import paged_tokens, plan_cache
+from .plan import paged_plan, plan_cache
 from .quantized import QuantizedEvictingKVCache
 
 
@@ -144,14 +143,11 @@ def paged_caches(model: nn.Module, policy: str, budget: int | str, page_dir: str
     """``make_cache`` with a page store: entries held in the model's dtype, the evicted ones written to ``page_dir``."""
     if kv_bits is not None:
         raise ValueError("a paged cache holds its entries in the model's dtype: leave kv_bits out with page_dir")
-    request, limit = parse_budget(budget), None
-    if request.tokens is not None:  # the dtype's plan: capped at the context, with a note
-        plan = plan_cache(model, request, DTYPE)
-        tokens = plan.tokens
-        for note in plan.notes:
-            warnings.warn(note, stacklevel=3)
-    else:  # a budget in memory holds the sketch of the tokens expected beyond the entries held, and no more
-        tokens = paged_tokens(request, model, expected_tokens, pages)
+    plan = paged_plan(model, budget, pages, expected_tokens)
+    for note in plan.notes:
+        warnings.warn(note, stacklevel=3)
+    tokens, limit = plan.tokens, None
+    if plan.request.tokens is None:  # a budget in memory holds the sketch of the tokens expected, and no more
         limit = max(0, (expected_tokens or context_limit(model)) - tokens)
     rotate = ROTATE_SKETCH if kv_rotate is None else kv_rotate
     return [EvictingKVCache(policy, tokens, storage=PagedStorage(page_dir, pages, sketch_limit=limit, rotate=rotate),

@@ -155,9 +155,23 @@ def paged_tokens(
     if held < 1:
         raise MlxEvictError(
             f"--budget {request.text} holds no token with a page store: the sketch of {tokens} tokens and "
-            f"{pages} pages read back take {(fixed + shape.layers * sketch * tokens) / 2**20:.1f} MiB"
+            f"{pages} pages read back take {(fixed + shape.layers * sketch * tokens) / 2**20:.1f} MiB: raise it"
         )
     return held
+
+
+def paged_plan(
+    model_or_config: Any, budget: "int | str | BudgetRequest", pages: int = DEFAULT_PAGES,
+    expected_tokens: Optional[int] = None,
+) -> CachePlan:
+    """The plan of a paged cache (:mod:`mlxevict.paged_storage`): entries held in the model's dtype, a budget in
+    tokens as the dtype's plan sizes it (capped at the context, with a note), a budget in memory by
+    :func:`paged_tokens` at ``expected_tokens`` (default: the model's context)."""
+    request = parse_budget(budget)
+    if request.tokens is not None:
+        return plan_cache(model_or_config, request, DTYPE)
+    tokens = paged_tokens(request, model_or_config, expected_tokens, pages)
+    return CachePlan(tokens, DTYPE, context_limit(model_or_config), request)
 
 
 def calibrated_layers(model_or_config: Any) -> tuple[int, ...]:

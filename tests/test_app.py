@@ -33,7 +33,8 @@ from mlxevict.events import Finished, Progress, TextChunk
 from mlxevict.generate import ChatSession, ThinkSplitter
 from mlxevict.kvstorage import KVStorage
 from mlxevict.memory import MemorySnapshot
-from mlxevict.plan import plan_cache
+from mlxevict.budget import parse_budget
+from mlxevict.plan import paged_tokens, plan_cache
 from mlxevict.stats import CacheStats
 
 GB = 1024**3
@@ -448,6 +449,27 @@ async def test_settings_take_a_memory_budget_and_kv_bits_as_the_cli_does(tiny64)
         await pilot.press("enter")
         await wait_until(pilot, lambda: session.budget == plan_cache(model, "200KB").tokens)
         assert f"(200KB) · {plan_cache(model, '200KB').storage.label}" in shown()  # the tiers there: 5/4-bit
+
+
+@pilot_test
+async def test_a_paged_session_takes_a_memory_budget_refuses_kv_bits_and_shows_the_disk(tiny64, tmp_path):
+    model, tokenizer = tiny64
+    session = ChatSession(model, tokenizer, budget="200KB", page_dir=tmp_path, pages=2, max_tokens=40, temp=0.0)
+    held = {b: paged_tokens(parse_budget(b), model, None, pages=2) for b in ("200KB", "150KB")}
+    app = scripted_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        shown = lambda: str(app.query_one("#kv-policy", Static).render())  # noqa: E731
+        assert f"budget {held['200KB']:,} (200KB) · evicted to disk" in shown()
+        await set_in_dialog(pilot, app, "150KB", "")
+        await wait_until(pilot, lambda: session.page_budget == "150KB")
+        assert session.budget == held["150KB"] and f"budget {held['150KB']:,} (150KB) · evicted to disk" in shown()
+        await set_in_dialog(pilot, app, "150KB", "8")  # a paged cache holds the model's dtype: not changed
+        await wait_until(pilot, lambda: "no --kv-bits" in " ".join(str(n.message) for n in app._notifications))
+        assert session.budget == held["150KB"] and session.caches[0].kv_bits is None
+        await ask(pilot, "Tell me a long story, please, about anything at all.")
+        await wait_idle(pilot)
+        assert app.turns[-1].finished.progress.cache.evicted > 0
+        assert "on disk " in str(app.query_one(StatsPanel).query_one("#kv-text", Static).render())
 
 
 def first_hit(app) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 
@@ -160,12 +161,64 @@ def test_generate_with_a_page_dir_evicts_to_disk_and_says_what_it_read(capsys, t
         (["--page-dir", "DIR/file/pages"], "cannot make page folder"),
     ],
 )
-def test_bad_page_settings_are_one_line(capsys, tiny32, tmp_path, monkeypatch, args, message):
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_bad_page_settings_are_one_line(capsys, tiny32, tmp_path, monkeypatch, args, message, command):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     (tmp_path / "file").write_text("")
     args = [a.replace("DIR", str(tmp_path)) for a in args]
-    rc, out, err = generate(capsys, tiny32, "-p", "hello", "-m", "2", *args)
+    if command == "generate":
+        rc, out, err = generate(capsys, tiny32, "-p", "hello", "-m", "2", *args)
+    else:
+        rc, out, err = chat(capsys, monkeypatch, "", tiny32, "--plain", "-m", "2", *args)
     assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def chat(capsys, monkeypatch, lines: str, *args):
+    from mlxevict.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    rc = main(["chat", *map(str, args)])
+    return rc, *capsys.readouterr()
+
+
+def test_plain_chat_with_a_page_dir_holds_what_the_paged_plan_holds_at_every_budget(capsys, tiny32, tmp_path,
+                                                                                    monkeypatch):  # fmt: skip
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    lines = "Hello there, tell me more\n/stats\n/budget 300KB\nand again\n/budget 40\nonce more\n/quit\n"
+    rc, out, err = chat(capsys, monkeypatch, lines, tiny32, "--plain", "--budget", "200KB", "--page-dir", tmp_path,
+                        "--pages", "2", "-m", "40", "--temp", "0")  # fmt: skip
+    assert rc == 0, err
+    held = [paged_tokens(parse_budget(b), tiny32, None, pages=2) for b in ("200KB", "300KB")]  # a chat: the context
+    assert err.startswith(f"chatting with tiny32 (policy default, budget {held[0]}, evicted entries to {tmp_path} "
+                          "(200KB)); /help")  # fmt: skip
+    assert f"budget {held[1]} tokens from the next turn" in err and "budget 40 tokens from the next turn" in err
+    stats = [line for line in err.splitlines() if line.startswith("[")]
+    capacities = [int(re.search(r"KV kept \d+/(\d+)", line).group(1)) for line in stats]
+    evicting = [line for line in stats if not re.search(r"evicted 0,", line)]
+    assert capacities == [*held, 40] and len(evicting) >= 2 and all(" on disk, " in line for line in evicting), stats
+    assert re.search(r"^KV cache \(default\): .*; evicted entries: [0-9.]+ KiB on disk, [0-9.]+ KiB read back$", err,
+                     re.M)  # fmt: skip
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_paged_chat_session_refuses_kv_bits_and_keeps_its_settings(tiny32, tmp_path):
+    from mlx_lm import load
+
+    from mlxevict.chat_session import ChatSession
+    from mlxevict.kvstorage import KVStorage
+
+    model, tokenizer = load(str(tiny32))
+    session = ChatSession(model, tokenizer, budget="200KB", page_dir=tmp_path, pages=2, max_tokens=4, temp=0.0)
+    held = paged_tokens(parse_budget("200KB"), model, None, pages=2)
+    storage = session.caches[0].storage
+    assert isinstance(storage, PagedStorage) and session.budget == held and session.page_budget == "200KB"
+    assert storage.sketch_limit == 2048 - held  # the model's context: what a chat expects
+    with pytest.raises(ValueError, match="no --kv-bits"):
+        session.replan("300KB", KVStorage.parse("8"))
+    assert (session.budget, session.page_budget) == (held, "200KB")
+    session.configure(budget=50)  # a budget in tokens: no memory to hold the sketch within
+    assert session.page_budget is None and session.caches[0].storage.sketch_limit is None
+    assert session.caches[0].budget == 50
 
 
 def test_a_disk_row_of_the_long_suite_counts_the_sketch_in_its_share_of_memory():

@@ -11,6 +11,7 @@ from ..policies import policy_names
 from .flags import (
     add_cache_options,
     add_model_argument,
+    add_page_options,
     add_sampling_options,
     add_template_options,
     say_loading,
@@ -59,6 +60,7 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--hide-reasoning", action="store_true", help="do not print the reasoning (--plain)")
     add_template_options(parser, template=False)
     add_cache_options(parser)
+    add_page_options(parser)
     add_sampling_options(parser)
     parser.set_defaults(func=run_chat)
 
@@ -67,14 +69,20 @@ def run_chat(args: argparse.Namespace) -> int:
     check_sampling(args)
     from ..chat_session import ChatSession
     from ..memory import MemoryGuard
-    from .common import budget_option, load, plan_budget, report, storage_flags
+    from .common import budget_option, load, page_options, plan_budget, report, storage_flags
+    from ..kvstorage import DTYPE
     from .sampling import resolve_sampling
 
     request = budget_option(args)
     storage = storage_flags(args)  # bad storage options fail before a model loads
+    paged = page_options(args)
     say_loading(args)
     resolved, model, tokenizer = load(args)
-    plan = plan_budget(model, request, storage)
+    if paged and request.tokens is None:  # a budget in memory counts the sketch too: the session sizes it
+        budget, stored = request.text, {}
+    else:  # entries in the model's dtype with a page store
+        plan = plan_budget(model, request, DTYPE if paged else storage)
+        budget, stored = plan.tokens, plan.storage.options()
     sampling, note = resolve_sampling(args, resolved.path)
     if note:
         report(note)
@@ -82,7 +90,7 @@ def run_chat(args: argparse.Namespace) -> int:
         model,
         tokenizer,
         policy=args.policy,
-        budget=plan.tokens,
+        budget=budget,
         system=args.system,
         max_tokens=args.max_tokens,
         seed=args.seed,
@@ -91,7 +99,8 @@ def run_chat(args: argparse.Namespace) -> int:
         window=args.window,
         storage_request=storage,
         **sampling,
-        **plan.storage.options(),
+        **stored,
+        **paged,
     )
     if args.plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
         return repl(session, resolved.name, sys.stdin, sys.stdout, sys.stderr, show_reasoning=not args.hide_reasoning)
@@ -144,6 +153,8 @@ def stats_text(c: "CacheStats") -> str:
     bits = f", stored in {bits_label(c.kv_bits)}" if c.kv_bits else ""
     if c.kv_bits and c.full_precision_window:
         bits += f", the newest {c.full_precision_window} in {'8 bits' if c.window_bits else 'full precision'}"
+    if c.disk_nbytes:
+        bits += f"; evicted entries: {format_bytes(c.disk_nbytes)} on disk, {format_bytes(c.read_nbytes)} read back"
     return (
         f"KV cache ({c.policy}): {c.kept:,} of {c.tokens_seen:,} tokens kept, {c.evicted:,} evicted, "
         f"budget {c.budget:,}; {format_bytes(c.nbytes)} vs {format_bytes(c.full_nbytes)} for a full cache{bits}"
@@ -181,6 +192,9 @@ def repl(
     """Read messages line by line until EOF or ``/quit``; 130 on Ctrl-C at the prompt."""
     prompt = inp is sys.stdin and inp.isatty()
     storage = f", KV in {session.storage.label}" if session.storage.quantized else ""
+    if session.paged:
+        asked = f" ({session.page_budget})" if session.page_budget else ""
+        storage += f", evicted entries to {session.cache_options['page_dir']}{asked}"
     settings = f"policy {session.policy}, budget {session.budget}{storage}"
     print(f"chatting with {name} ({settings}); /help for commands", file=err)
     while True:

@@ -94,17 +94,34 @@ def cache_storage(args: argparse.Namespace, request: BudgetRequest, model: Any) 
     return {} if storage is None else storage.options()
 
 
+def page_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``make_cache``'s ``page_dir`` and ``pages`` from ``--page-dir`` and ``--pages`` (empty without a folder).
+
+    Raises:
+        MlxEvictError: ``--pages`` without ``--page-dir``, or ``--page-dir`` with ``--kv-bits`` or a saved cache.
+    """
+    page_dir, pages = getattr(args, "page_dir", None), getattr(args, "pages", None)
+    if pages is not None and not page_dir:
+        raise MlxEvictError("--pages needs --page-dir: the folder the evicted pages go to")
+    if not page_dir:
+        return {}
+    if getattr(args, "prompt_cache_file", None) or storage_flags(args):
+        raise MlxEvictError("--page-dir keeps entries in the model's dtype and cannot be saved: leave out "
+                            "--kv-bits and its storage flags, and --prompt-cache-file")  # fmt: skip
+    return {"page_dir": page_dir, **({"pages": pages} if pages else {})}
+
+
 def build_caches(
     model: Any, args: argparse.Namespace, request: BudgetRequest, expected_tokens: Optional[int] = None
 ) -> list:
     """``make_cache`` from the command line's options, with CLI wording on errors (``expected_tokens``: the
     prompt's and the answer's, when known)."""
-    page_dir = getattr(args, "page_dir", None)
-    if page_dir is not None:  # make_cache sizes a budget in memory by the paged rule (plan.paged_tokens)
+    paged = page_options(args)
+    if paged:  # make_cache sizes a budget in memory by the paged rule (plan.paged_plan)
         budget = request if request.tokens is None else plan_budget(model, request, DTYPE).tokens
         try:
-            return make_cache(model, args.policy, budget, sinks=args.sinks, window=args.window, page_dir=page_dir,
-                              expected_tokens=expected_tokens, **({"pages": args.pages} if args.pages else {}))  # fmt: skip
+            return make_cache(model, args.policy, budget, sinks=args.sinks, window=args.window,
+                              expected_tokens=expected_tokens, **paged)  # fmt: skip
         except ValueError as err:
             raise MlxEvictError(str(err)) from None
     plan = plan_budget(model, request, storage_flags(args), expected_tokens)

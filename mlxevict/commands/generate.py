@@ -130,17 +130,13 @@ def run_generate(args: argparse.Namespace) -> int:
     from ..model_patch import patch
     from ..memory import MemoryGuard
     from .cache_prompt import check_model, load_saved
-    from .common import TextPrinter, budget_option, build_caches, load, stats_line, storage_flags
+    from .common import TextPrinter, budget_option, build_caches, load, page_options, stats_line, storage_flags
     from .prompt import prompt_ids
     from .sampling import resolve_sampling
 
     if args.prefill_step_size is not None and args.prefill_step_size < 1:
         raise MlxEvictError(f"--prefill-step-size {args.prefill_step_size} must be at least 1")
-    if args.page_dir and (args.prompt_cache_file or storage_flags(args)):
-        raise MlxEvictError("--page-dir keeps entries in the model's dtype and cannot be saved: leave out "
-                            "--kv-bits and its storage flags, and --prompt-cache-file")  # fmt: skip
-    if args.pages is not None and not args.page_dir:
-        raise MlxEvictError("--pages needs --page-dir: the folder the evicted pages go to")
+    page_options(args)  # bad page flags fail before a model loads
     saved = load_saved(args) if args.prompt_cache_file else None
     request = budget_option(args)
     storage_flags(args)  # bad storage options fail before a model loads
