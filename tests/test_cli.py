@@ -674,3 +674,14 @@ def test_acceptance_info_bytes_per_token(capsys, smollm_path):
     plan = json.loads(out)
     assert rc == 0 and plan["kv_bytes_per_token"] == 30 * 3 * 64 * 2 * 4 == kv_bytes_per_token(smollm_path)
     assert (plan["layers"], plan["kv_heads"], plan["head_dim"], plan["dtype_size"]) == (30, 3, 64, 4)
+
+
+def test_info_says_what_a_page_store_holds_as_a_paged_chat_holds_it(capsys, tiny32, tmp_path):
+    plan = json.loads(cli(capsys, "info", tiny32, "--json", "--budget", "600KB")[1])["page_store"]
+    start = cli(capsys, "chat", tiny32, "--plain", "--budget", "600KB", "--page-dir", tmp_path, "-m", "2",
+                stdin="/quit\n")[2]  # fmt: skip
+    assert plan["budget_held"] > 0 and f"(policy default, budget {plan['budget_held']}, evicted entries" in start
+    assert plan["sketch_bytes_per_token"] <= plan["entry_bytes_16bit"] / 8  # 2 bits a channel and its scales
+    text = cli(capsys, "info", tiny32, "--budget", "100KB")[1]  # the sketch of the context alone is more
+    assert re.search(r"^page store +--page-dir keeps .*; --budget 100KB holds no token with a page store: .*raise it$",
+                     text, re.M)  # fmt: skip

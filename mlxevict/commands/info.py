@@ -19,7 +19,8 @@ from ..geometry import kv_shape, weights_nbytes
 from ..kvstorage import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS, SPLIT_BITS, KVStorage
 from ..memory import DEFAULT_MARGIN, format_bytes
 from ..openblas import openblas_library, openblas_loaded
-from ..plan import plan_cache, tiers_storage
+from ..paged_storage import sketch_bytes
+from ..plan import paged_tokens, plan_cache, tiers_storage
 from ..resolve import check_architecture, hub_weights_nbytes, resolve_model
 from .flags import add_model_argument
 
@@ -161,6 +162,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "budget_kv_bits": budget.storage.kv_bits,
         "budget_kv_nbytes": budget.nbytes(resolved.path),
         "budget_storage": budget.storage.label,
+        "budget_text": budget.request.text,
         "compare_at_tokens": compare_at,
         # A budget in memory picks its storage by its share of the tokens expected: here the context, as chat does.
         "planned_for_tokens": context if budget.request.tokens is None else None,
@@ -169,12 +171,44 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "auto_kv_nbytes": int(free * AUTO_FRACTION),
         "storage_modes": storage_modes(shape, int(free * AUTO_FRACTION)),
         "calibrated_layers": _calibrated(resolved.path, weights_note),
+        "page_store": page_store(resolved.path, shape, budget.request),
         "openblas": openblas_loaded() if openblas_library() else None,
         "hosts": _hosts(args, config, weights, per_token, memory.total),
     }
     if family:
         result["family"] = family_plan(memory.total, memory.available, args.budget)
     return result
+
+
+def page_store(path: Any, shape, request) -> dict[str, Any]:
+    """What ``--page-dir`` keeps in memory per evicted token (the 2-bit sketch of its keys), and the entries a
+    budget in memory holds with it at the model's context (as chat plans it), or why it holds none."""
+    try:
+        sketch = sketch_bytes(shape.head_dim, scale_bytes=shape.dtype_size) * shape.kv_heads * shape.layers
+    except MlxEvictError as err:  # a head dim the sketch cannot group
+        return {"unsupported": str(err)}
+    held, error = None, None
+    if request.tokens is None:
+        try:
+            held = paged_tokens(request, path)
+        except MlxEvictError as err:
+            error = str(err)
+    return {"sketch_bytes_per_token": sketch, "entry_bytes_16bit": shape.bytes_per_token * 2 // shape.dtype_size,
+            "budget_held": held, "budget_error": error}
+
+
+def _page_lines(p: dict[str, Any], budget: str) -> list[str]:
+    pages = p["page_store"]
+    if "unsupported" in pages:
+        return [f"page store    not with this model: {pages['unsupported']}"]
+    share = pages["sketch_bytes_per_token"] / pages["entry_bytes_16bit"]
+    line = (f"page store    --page-dir keeps evicted entries on disk and {pages['sketch_bytes_per_token']:,} B per "
+            f"evicted token in memory ({share:.1%} of a 16-bit entry)")
+    if pages["budget_held"] is not None:
+        line += f"; --budget {budget} then holds {pages['budget_held']:,} entries at the context"
+    elif pages["budget_error"]:
+        line += f"; {pages['budget_error']}"
+    return [line]
 
 
 def _calibrated(path: Any, weights_note: str) -> Optional[list[int]]:
@@ -233,6 +267,8 @@ def render(p: dict[str, Any]) -> str:
             "              (quantized caches keep the newest --fp-window tokens in full precision too, "
             "or in 8 bits with --window-bits 8)"
         )
+    if "page_store" in p:
+        lines += _page_lines(p, p.get("budget_text", ""))
     layers = p["calibrated_layers"]
     if layers is None:
         lines.append("calibration   none: `mlxevict calibrate MODEL` finds the layers a memory budget keeps in 8 bits")
