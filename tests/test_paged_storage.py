@@ -162,15 +162,19 @@ def test_generate_with_a_page_dir_evicts_to_disk_and_says_what_it_read(capsys, t
         (["--page-dir", "DIR/file/pages"], "cannot make page folder"),
     ],
 )
-@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
 def test_bad_page_settings_are_one_line(capsys, tiny32, tmp_path, monkeypatch, args, message, command):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     (tmp_path / "file").write_text("")
     args = [a.replace("DIR", str(tmp_path)) for a in args]
     if command == "generate":
         rc, out, err = generate(capsys, tiny32, "-p", "hello", "-m", "2", *args)
-    else:
+    elif command == "chat":
         rc, out, err = chat(capsys, monkeypatch, "", tiny32, "--plain", "-m", "2", *args)
+    else:  # every one fails before the server listens
+        from mlxevict.cli import main
+
+        rc, (out, err) = main(["serve", str(tiny32), "--port", "0", *args]), capsys.readouterr()
     assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
 
 

@@ -214,6 +214,29 @@ def test_a_continued_conversation_reuses_its_cache(served):
     assert extra(again.usage)["prompt_tokens_read"] == again.usage.prompt_tokens == second.usage.prompt_tokens
 
 
+def test_a_server_with_a_page_dir_evicts_to_disk_and_continues_a_conversation(demo, tmp_path):
+    model, tokenizer, _ = demo
+    engine = Engine(model, tokenizer, defaults=DEFAULTS, budget_tokens=lambda text: resolve_budget(parse_budget(text), model),
+                    cache_options={"page_dir": str(tmp_path), "pages": 2}, store=ConversationStore(10, 1 << 30),
+                    guard=MemoryGuard())  # fmt: skip
+    running = Running(model, tokenizer, engine=engine)
+    try:
+        messages = [{"role": "user", "content": LONG_TEXT + "\nWhich river is this about?"}]
+        first = running.client.chat.completions.create(model="default", messages=messages, max_tokens=8,
+                                                       extra_body={"budget": 64})  # fmt: skip
+        cache = extra(first.usage)
+        assert cache["evicted"] > 0 and cache["disk_bytes"] > 0 and cache["read_bytes"] > 0
+        assert cache["kept"] <= 64 and os.listdir(tmp_path) == []  # the page files are nameless
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And where does it flow?"}]  # fmt: skip
+        second = running.client.chat.completions.create(model="default", messages=messages, max_tokens=8,
+                                                        extra_body={"budget": 64})  # fmt: skip
+        assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens  # its paged cache, kept
+        assert extra(second.usage)["disk_bytes"] > cache["disk_bytes"] and second.choices[0].message.content.strip()
+    finally:
+        running.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("count, nbytes, kept", [(1, 1 << 30, 1), (10, 1, 0)], ids=["count", "bytes"])
 def test_kept_conversations_are_bounded(demo, count, nbytes, kept):

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..errors import MlxEvictError
-from .flags import add_cache_options, add_model_argument, add_sampling_options
+from .flags import add_cache_options, add_model_argument, add_page_options, add_sampling_options
 from .sampling import check_sampling
 
 API_KEY_ENV = "MLXEVICT_API_KEY"
@@ -70,16 +70,18 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="stop a request when the system has less than this memory available (default 1 GiB)",
     )
     add_cache_options(parser)
+    add_page_options(parser)
     add_sampling_options(parser)
     parser.set_defaults(func=run_serve)
 
 
 def _check(args: argparse.Namespace) -> None:
     """Refuse bad server options before a model loads."""
-    from .common import storage_flags
+    from .common import page_options, storage_flags
 
     check_sampling(args)
     storage_flags(args)
+    page_options(args)
     if not 0 <= args.port <= 65535:
         raise MlxEvictError(f"--port {args.port} is not a port; use 1-65535 (0: any free one)")
     if args.conversations < 0:
@@ -132,7 +134,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..launch import launched
     from ..server import ApiServer, ConversationStore, Defaults, Engine
     from ..server.ranks import ShardedEngine, agreed_bytes, follow, watch_launcher
-    from .common import budget_option, build_caches, load, plan_budget, report, storage_flags
+    from ..paged_storage import DEFAULT_PAGES
+    from ..plan import paged_plan
+    from .common import budget_option, build_caches, load, page_options, plan_budget, report, storage_flags
     from .sampling import resolve_sampling
 
     request = budget_option(args)
@@ -145,7 +149,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if template is not None:
         tokenizer.chat_template = template
     build_caches(model, args, request)  # a budget that cannot work fails here, in CLI words
-    plan = plan_budget(model, request, storage_flags(args))
+    paged = page_options(args)
+    if paged:  # entries held in the model's dtype; a budget in memory counts the sketch of the context too
+        pages = paged.get("pages", DEFAULT_PAGES)
+        plan = paged_plan(model, request, pages)
+        plan_of = lambda text: paged_plan(model, parse_budget(text), pages)  # noqa: E731
+    else:
+        plan = plan_budget(model, request, storage_flags(args))
+        plan_of = lambda text: plan_budget(model, parse_budget(text), plan.storage)  # noqa: E731
     storage, budget = plan.storage.options(), plan.tokens
     sampling, note = resolve_sampling(args, resolved.path)
     if note:
@@ -170,8 +181,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model,
         tokenizer,
         defaults=defaults,
-        budget_tokens=lambda text: plan_budget(model, parse_budget(text), plan.storage).tokens,
-        cache_options=dict(sinks=args.sinks, window=args.window, **storage),
+        budget_tokens=lambda text: plan_of(text).tokens,
+        cache_options=dict(sinks=args.sinks, window=args.window, **storage, **paged),
         store=ConversationStore(args.conversations, kept_bytes),
         guard=guard,
         log=report,
@@ -192,6 +203,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 f"cannot listen on {args.host}:{args.port} ({err.strerror}); pick another --port"
             ) from None
         kv = f", KV in {plan.storage.label}" if plan.storage.quantized else ""
+        kv += f", evicted entries to {paged['page_dir']}" if paged else ""
         auth = ", API key required" if args.api_key else ""
         ranks = f" on {group.size()} ranks" if group is not None else ""
         report(f"serving {resolved.name}{ranks} at {server.url} (policy {args.policy}, budget {budget} tokens"

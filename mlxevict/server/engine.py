@@ -327,6 +327,8 @@ class Engine:
                  "kv_full_bytes": p.memory.kv_full_nbytes, "peak_memory": p.memory.mlx_peak}
         if p.cache is not None:
             cache.update(kept=p.cache.kept, evicted=p.cache.evicted, tokens_seen=p.cache.tokens_seen)
+            if p.cache.disk_nbytes:  # a page store (--page-dir)
+                cache.update(disk_bytes=p.cache.disk_nbytes, read_bytes=p.cache.read_nbytes)
         if finished.message and not stopped:
             cache["stopped"] = finished.message
         cache.update(self._rank_numbers(finished))
