@@ -13,8 +13,8 @@ import json
 from typing import Any
 
 from .channel_storage import ChannelStorage
-from .errors import MlxEvictError
 from .dense_storage import DenseStorage
+from .paged_storage import PagedStorage
 from .quantized_storage import QuantizedStorage
 from .tiered_storage import TieredStorage
 
@@ -22,8 +22,7 @@ from .tiered_storage import TieredStorage
 def storage_from_meta(meta: dict[str, Any]) -> Any:
     """The storage component a saved cache's metadata describes (quantized ones save ``kv_bits``)."""
     if "paged" in meta:
-        raise MlxEvictError("this cache was saved with a page store (--page-dir), whose evicted entries were in a "
-                            "temporary file: it cannot be loaded; run it again")  # fmt: skip
+        return PagedStorage.from_meta(meta)
     if meta.get("low_bits"):
         return TieredStorage.from_meta(meta)
     if meta.get("key_group"):

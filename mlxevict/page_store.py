@@ -75,14 +75,22 @@ class PageStore:
 
     def read(self, index: np.ndarray) -> mx.array:
         """``(heads, k * PAGE, width)``: page ``index[h, j]`` of head ``h``, for each of the ``k`` columns."""
-        if self._map is None or self._map.shape[0] != self.pages:
-            self._map = np.memmap(self._file, self._raw_np, "r", shape=(self.pages, self.heads, PAGE, self.width))
         index = np.asarray(index)
         if index.size and (index.min() < 0 or index.max() >= self.pages):
             raise IndexError(f"page index out of range: the store holds {self.pages} pages")
-        got = self._map[index, np.arange(self.heads)[:, None]]  # heads, k, PAGE, width
+        got = self._mapped()[index, np.arange(self.heads)[:, None]]  # heads, k, PAGE, width
         self.bytes_read += got.nbytes
         return mx.array(got.reshape(self.heads, -1, self.width)).view(self.dtype)
+
+    def pages_from(self, first: int) -> mx.array:
+        """``(pages - first, heads, PAGE, width)``: every page from ``first`` on, as written (for a saved cache)."""
+        return mx.array(np.ascontiguousarray(self._mapped()[first:])).view(self.dtype)
+
+    def _mapped(self) -> np.memmap:
+        """The file's whole pages, mapped (again when pages were written since)."""
+        if self._map is None or self._map.shape[0] != self.pages:
+            self._map = np.memmap(self._file, self._raw_np, "r", shape=(self.pages, self.heads, PAGE, self.width))
+        return self._map
 
     def close(self) -> None:
         """Free the file's disk space now (reading after this is an error)."""

@@ -217,7 +217,43 @@ class PagedStorage(DenseStorage):
         if self.store is not None:
             self.store.close()
 
-    # ---- save / load: not yet ------------------------------------------------
+    # ---- save / load ---------------------------------------------------------
+    @property
+    def state(self) -> tuple[Any, Any]:
+        """The entries held, and once anything was evicted also the sketch, the unfinished page and every page
+        still sketched, read from the store: a saved paged cache holds all it can read back."""
+        if self.sketch is None:
+            return super().state
+        pages = self.store.pages_from(self.first_page) if self.store is not None else mx.zeros((1,), self.keys.dtype)
+        return (self.keys, *self.sketch, self.tail, pages), (self.values,)
+
+    @state.setter
+    def state(self, v: tuple[Any, Any]) -> None:
+        keys, values = v
+        if not isinstance(keys, (tuple, list)):  # nothing was evicted
+            self.keys, self.values = keys, values
+            return
+        self.keys, self.values = keys[0], values[0]
+        self.sketch, self.tail, pages = list(keys[1:4]), keys[4], keys[5]
+        if pages.ndim == 4 and pages.shape[0]:  # (pages, B*H, PAGE, width): written again, in a new file
+            self.store = PageStore(self.folder, pages.shape[1], pages.shape[3], pages.dtype)
+            self.store.append(pages.transpose(1, 0, 2, 3).reshape(pages.shape[1], -1, pages.shape[3]))
+
     def meta(self) -> dict[str, Any]:
-        """Marks a saved state as paged: its evicted entries were in a temporary file, so it does not load."""
-        return {"paged": self.pages}
+        """The page store's settings and counters (``paged``: its pages read back a call)."""
+        return {"paged": self.pages, "page_dir": str(self.folder), "sketch_bits": self.bits,
+                "sketch_rotate": self.rotate, "sketch_limit": self.sketch_limit, "evicted": self.evicted}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> "PagedStorage":
+        """Rebuild from :meth:`meta`, its pages in a new file of the saved folder (made if missing).
+
+        Raises:
+            MlxEvictError: a cache saved before pages were saved (0.1's first page stores), whose pages are gone.
+        """
+        if "page_dir" not in meta:
+            raise MlxEvictError("this cache was saved with a page store (--page-dir) whose evicted entries were in a "
+                                "temporary file: it cannot be loaded; run it again")  # fmt: skip
+        storage = cls(meta["page_dir"], meta["paged"], meta["sketch_bits"], meta["sketch_limit"], meta["sketch_rotate"])
+        storage.evicted = meta["evicted"]
+        return storage

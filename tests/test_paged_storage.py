@@ -111,14 +111,37 @@ def test_a_memory_budget_holds_the_entries_the_sketch_and_the_pages_within_it(tm
         paged_tokens(parse_budget("20KB"), model, 4096, pages=2)
 
 
+@pytest.mark.parametrize("pages_on_disk", [True, False], ids=["pages", "tail-only"])
+def test_a_saved_paged_cache_loads_and_continues_as_the_one_it_was(tmp_path, pages_on_disk):
+    model = tiny_model(head_dim=64)
+    tokens = random_tokens(sum(CHUNKS) + 8)
+    chunks = CHUNKS if pages_on_disk else [32] * 4 + [1] * 4  # 136 tokens into 128: 8 evicted, no whole page
+    caches = mlxevict.make_cache(model, "default", 128, page_dir=tmp_path / "a", pages=2)
+    n = sum(chunks)
+    run_chunks(model, caches, tokens[:n], chunks)
+    assert (caches[0].storage.store is not None) == pages_on_disk and caches[0].storage.evicted > 0
+    saved = tmp_path / "saved.safetensors"
+    save_prompt_cache(str(saved), caches)
+    loaded = mlxevict.load_cache(saved, model)
+    assert isinstance(loaded[0].storage, PagedStorage) and loaded[0].storage.folder == tmp_path / "a"
+    assert loaded[0].storage.evicted == caches[0].storage.evicted and loaded[0].storage.rotate
+    rest = tokens[n : n + 8]
+    want = run_chunks(model, caches, rest, [1] * 8)
+    assert mx.array_equal(run_chunks(model, loaded, rest, [1] * 8), want)  # the same pages, scored the same
+    assert loaded[0].storage.disk_bytes == caches[0].storage.disk_bytes
+
+
+def test_a_cache_saved_before_pages_were_saved_is_refused_in_one_line():
+    from mlxevict.cache_state import storage_from_meta
+
+    with pytest.raises(MlxEvictError, match="saved with a page store .* cannot be loaded"):
+        storage_from_meta({"paged": 32})
+
+
 def test_the_page_files_go_with_the_cache_and_bad_settings_are_one_line(tmp_path):
     model = tiny_model(head_dim=64)
     _, caches = run(model, tmp_path, 2)
     assert sum(c.storage.disk_bytes for c in caches) > 0 and os.listdir(tmp_path) == []
-    saved = tmp_path.parent / f"{tmp_path.name}-saved.safetensors"
-    save_prompt_cache(str(saved), caches)
-    with pytest.raises(ValueError, match="saved with a page store"):
-        mlxevict.load_cache(saved, model)
     mlxevict.make_cache(model, "default", 128, page_dir=tmp_path / "new" / "pages")
     assert (tmp_path / "new" / "pages").is_dir()  # made, as an output folder is
     (tmp_path / "file").write_text("")
@@ -176,6 +199,22 @@ def test_bad_page_settings_are_one_line(capsys, tiny32, tmp_path, monkeypatch, a
 
         rc, (out, err) = main(["serve", str(tiny32), "--port", "0", *args]), capsys.readouterr()
     assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_a_prompt_cached_with_a_page_dir_is_continued_from_its_file(capsys, tiny32, tmp_path, monkeypatch):
+    from mlxevict.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    saved = tmp_path / "facts.safetensors"
+    rc = main(["cache-prompt", str(tiny32), "-p", "The pass key is 4721. " * 12, "--budget", "48", "--page-dir",
+               str(tmp_path / "pages"), "--pages", "2", "--prompt-cache-file", str(saved)])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    capsys.readouterr()
+    rc, out, err = generate(capsys, "--prompt-cache-file", saved, "-p", " What is the pass key?", "-m", "8",
+                            "--temp", "0")  # fmt: skip
+    assert rc == 0 and re.search(r"KV kept \d+/48, evicted \d+, .* \| pages [0-9.]+ KiB on disk", err), err
+    rc, out, err = generate(capsys, "--prompt-cache-file", saved, "-p", "?", "--page-dir", tmp_path)
+    assert rc == 1 and "a saved cache keeps its own settings; drop --page-dir" in err and len(err.splitlines()) == 1
 
 
 def chat(capsys, monkeypatch, lines: str, *args):

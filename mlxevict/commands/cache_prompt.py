@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MlxEvictError
-from .flags import add_cache_options, add_model_argument, add_template_options, say_loading
+from .flags import add_cache_options, add_model_argument, add_page_options, add_template_options, say_loading
 
 _EPILOG = """\
 The prompt is read into an evicting cache under --budget (the chat template's
@@ -40,6 +40,7 @@ def add_cache_prompt_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt-cache-file", required=True, metavar="FILE", help="the .safetensors file to write")
     add_template_options(parser)
     add_cache_options(parser)
+    add_page_options(parser)
     parser.set_defaults(func=run_cache_prompt)
 
 
@@ -59,11 +60,12 @@ def run_cache_prompt(args: argparse.Namespace) -> int:
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import save_prompt_cache
 
-    from .common import budget_option, build_caches, load, report, storage_flags
+    from .common import budget_option, build_caches, load, page_options, report, storage_flags
     from .prompt import cache_prompt_ids
 
     request = budget_option(args)
     storage_flags(args)
+    page_options(args)
     prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
     if not prompt.strip():
         raise MlxEvictError("empty prompt: give some text with -p or on stdin")
@@ -101,7 +103,9 @@ def load_saved(args: argparse.Namespace) -> tuple[list[Any], dict[str, str]]:
     path = Path(args.prompt_cache_file)
     if not path.is_file():
         raise MlxEvictError(f"--prompt-cache-file {path}: no such file; write one with mlxevict cache-prompt")
-    for flag, value in (("--budget", args.budget), ("--kv-bits", args.kv_bits), ("--window", args.window)):
+    given = (("--budget", args.budget), ("--kv-bits", args.kv_bits), ("--window", args.window),
+             ("--page-dir", getattr(args, "page_dir", None)))
+    for flag, value in given:
         if value is not None:
             raise MlxEvictError(f"{flag} {value}: a saved cache keeps its own settings; drop {flag}")
     try:

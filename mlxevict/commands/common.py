@@ -98,16 +98,16 @@ def page_options(args: argparse.Namespace) -> dict[str, Any]:
     """``make_cache``'s ``page_dir`` and ``pages`` from ``--page-dir`` and ``--pages`` (empty without a folder).
 
     Raises:
-        MlxEvictError: ``--pages`` without ``--page-dir``, or ``--page-dir`` with ``--kv-bits`` or a saved cache.
+        MlxEvictError: ``--pages`` without ``--page-dir``, or ``--page-dir`` with ``--kv-bits``.
     """
     page_dir, pages = getattr(args, "page_dir", None), getattr(args, "pages", None)
     if pages is not None and not page_dir:
         raise MlxEvictError("--pages needs --page-dir: the folder the evicted pages go to")
     if not page_dir:
         return {}
-    if getattr(args, "prompt_cache_file", None) or storage_flags(args):
-        raise MlxEvictError("--page-dir keeps entries in the model's dtype and cannot be saved: leave out "
-                            "--kv-bits and its storage flags, and --prompt-cache-file")  # fmt: skip
+    if storage_flags(args):
+        raise MlxEvictError("--page-dir keeps entries in the model's dtype: leave out --kv-bits and its storage "
+                            "flags")  # fmt: skip
     return {"page_dir": page_dir, **({"pages": pages} if pages else {})}
 
 
