@@ -87,7 +87,7 @@ class ChatSession:
         self.policy, self.cache_options = policy, dict(cache_options)
         # A paged cache sizes a budget in memory itself (the sketch of the evicted keys is part of it).
         self.page_budget: Optional[str] = None
-        if isinstance(budget, str) or isinstance(budget, BudgetRequest):
+        if isinstance(budget, (str, BudgetRequest)):
             plan = self._paged_plan(budget)
             self.page_budget = None if plan.request.tokens is not None else plan.request.text
             budget = plan.tokens
