@@ -36,7 +36,7 @@ from .rotation import rotation_in
 
 DEFAULT_PAGES = 32  # pages read back per call and kv-head: 512 entries (the pilot's shared-32s2)
 SKETCH_BITS = 2
-ROTATE_SKETCH = True  # make_cache's default (kv_rotate=None): chosen on the tuning half (docs/tiers.md)
+ROTATE_SKETCH = True  # the sketch's default (PagedStorage; make_cache's kv_rotate=None): chosen on the tuning half (docs/tiers.md)
 SCORE_TOKENS = 16  # a prompt chunk's tokens scored at a time: their scores over every evicted entry are transient
 
 
@@ -81,11 +81,11 @@ class PagedStorage(DenseStorage):
             pages lose their sketch and are never read back (evicted for good). ``None``: no limit.
         rotate: sketch the keys rotated by :func:`~mlxevict.rotation.rotation_matrix` (and score with the
             queries rotated the same way: ``(qR)·(kR) = q·k``), which spreads the few large key channels that
-            make a 2-bit group coarse. Default ``False`` (``make_cache``'s default: :data:`ROTATE_SKETCH`).
+            make a 2-bit group coarse. Default :data:`ROTATE_SKETCH` (chosen on the tuning half).
     """
 
     def __init__(self, folder: str | Path, pages: int = DEFAULT_PAGES, bits: int = SKETCH_BITS,
-                 sketch_limit: Optional[int] = None, rotate: bool = False) -> None:
+                 sketch_limit: Optional[int] = None, rotate: bool = ROTATE_SKETCH) -> None:
         super().__init__()
         folder = Path(folder).expanduser()
         try:

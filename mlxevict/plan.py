@@ -127,6 +127,16 @@ def budget_share(request: BudgetRequest, model_or_config: Any, tokens: Optional[
     return request_nbytes(request, available) / (kv_shape(model_or_config, 2).bytes_per_token * tokens)
 
 
+def sketch_bytes_per_token(shape: Any) -> int:
+    """Bytes a paged cache keeps in memory per evicted token, all layers: the sketch of its keys (a
+    :class:`~mlxevict.geometry.KVShape`'s head dim, kv-heads and layers; scales in its dtype).
+
+    Raises:
+        MlxEvictError: a head dim the sketch cannot group.
+    """
+    return sketch_bytes(shape.head_dim, scale_bytes=shape.dtype_size) * shape.kv_heads * shape.layers
+
+
 def paged_tokens(
     request: BudgetRequest,
     model_or_config: Any,
@@ -148,14 +158,14 @@ def paged_tokens(
     if not tokens:
         raise MlxEvictError("a paged cache with a budget in memory needs the tokens expected (the model's context is unknown)")
     entry = shape.bytes_per_token // shape.layers  # one layer's keys and values of one token
-    sketch = sketch_bytes(shape.head_dim, scale_bytes=shape.dtype_size) * shape.kv_heads
+    sketch = sketch_bytes_per_token(shape)  # all layers
     fixed = shape.layers * (PAGE - 1) * entry + pages * PAGE * entry
-    room = request_nbytes(request, available) - fixed - shape.layers * sketch * tokens
-    held = min(tokens, max(0, room) // (shape.layers * (entry - sketch)))
+    room = request_nbytes(request, available) - fixed - sketch * tokens
+    held = min(tokens, max(0, room) // (shape.layers * entry - sketch))
     if held < 1:
         raise MlxEvictError(
             f"--budget {request.text} holds no token with a page store: the sketch of {tokens} tokens and "
-            f"{pages} pages read back take {(fixed + shape.layers * sketch * tokens) / 2**20:.1f} MiB: raise it"
+            f"{pages} pages read back take {(fixed + sketch * tokens) / 2**20:.1f} MiB: raise it"
         )
     return held
 

@@ -69,8 +69,7 @@ def run_chat(args: argparse.Namespace) -> int:
     check_sampling(args)
     from ..chat_session import ChatSession
     from ..memory import MemoryGuard
-    from .common import budget_option, load, page_options, plan_budget, report, storage_flags
-    from ..kvstorage import DTYPE
+    from .common import budget_option, load, page_budget, page_options, plan_budget, report, storage_flags
     from .sampling import resolve_sampling
 
     request = budget_option(args)
@@ -78,10 +77,10 @@ def run_chat(args: argparse.Namespace) -> int:
     paged = page_options(args)
     say_loading(args)
     resolved, model, tokenizer = load(args)
-    if paged and request.tokens is None:  # a budget in memory counts the sketch too: the session sizes it
-        budget, stored = request.text, {}
-    else:  # entries in the model's dtype with a page store
-        plan = plan_budget(model, request, DTYPE if paged else storage)
+    if paged:  # entries in the model's dtype; a budget in memory counts the sketch too: the session sizes it
+        budget, stored = page_budget(model, request), {}
+    else:
+        plan = plan_budget(model, request, storage)
         budget, stored = plan.tokens, plan.storage.options()
     sampling, note = resolve_sampling(args, resolved.path)
     if note:

@@ -111,6 +111,12 @@ def page_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"page_dir": page_dir, **({"pages": pages} if pages else {})}
 
 
+def page_budget(model: Any, request: BudgetRequest) -> "int | BudgetRequest":
+    """A paged cache's budget for ``make_cache``: a budget in memory as asked (sized there, the sketch counted),
+    one in tokens by the dtype's plan (capped at the context, its notes told)."""
+    return request if request.tokens is None else plan_budget(model, request, DTYPE).tokens
+
+
 def build_caches(
     model: Any, args: argparse.Namespace, request: BudgetRequest, expected_tokens: Optional[int] = None
 ) -> list:
@@ -118,9 +124,8 @@ def build_caches(
     prompt's and the answer's, when known)."""
     paged = page_options(args)
     if paged:  # make_cache sizes a budget in memory by the paged rule (plan.paged_plan)
-        budget = request if request.tokens is None else plan_budget(model, request, DTYPE).tokens
         try:
-            return make_cache(model, args.policy, budget, sinks=args.sinks, window=args.window,
+            return make_cache(model, args.policy, page_budget(model, request), sinks=args.sinks, window=args.window,
                               expected_tokens=expected_tokens, **paged)  # fmt: skip
         except ValueError as err:
             raise MlxEvictError(str(err)) from None

@@ -19,8 +19,7 @@ from ..geometry import kv_shape, weights_nbytes
 from ..kvstorage import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS, SPLIT_BITS, KVStorage
 from ..memory import DEFAULT_MARGIN, format_bytes
 from ..openblas import openblas_library, openblas_loaded
-from ..paged_storage import sketch_bytes
-from ..plan import paged_tokens, plan_cache, tiers_storage
+from ..plan import paged_tokens, plan_cache, sketch_bytes_per_token, tiers_storage
 from ..resolve import check_architecture, hub_weights_nbytes, resolve_model
 from .flags import add_model_argument
 
@@ -184,7 +183,7 @@ def page_store(path: Any, shape, request) -> dict[str, Any]:
     """What ``--page-dir`` keeps in memory per evicted token (the 2-bit sketch of its keys), and the entries a
     budget in memory holds with it at the model's context (as chat plans it), or why it holds none."""
     try:
-        sketch = sketch_bytes(shape.head_dim, scale_bytes=shape.dtype_size) * shape.kv_heads * shape.layers
+        sketch = sketch_bytes_per_token(shape)
     except MlxEvictError as err:  # a head dim the sketch cannot group
         return {"unsupported": str(err)}
     held, error = None, None
