@@ -48,12 +48,18 @@ from .long_score import (
 Progress = Callable[[str], None]
 
 
-def product_storage(model: nn.Module, fraction: float) -> str:
-    """The memory rule's storage for this model at ``fraction`` of a 16-bit full cache of the context
-    (:func:`mlxevict.plan.tiers_storage`, with the model's calibrated layers)."""
+def product_storage(model: nn.Module, fraction: float, length: int) -> str:
+    """The memory rule's storage for this model at ``fraction`` of a 16-bit full cache of ``length`` tokens, its
+    bytes counted at 16 bits as every row's are: its page store (``disk-32``) where :func:`mlxevict.plan.rule_pages`
+    picks it, else its precision tiers (:func:`mlxevict.plan.tiers_storage`, with the model's calibrated layers)."""
+    from mlxevict.geometry import kv_shape
     from mlxevict.kvstorage import DEFAULT_GROUP_SIZE
-    from mlxevict.plan import calibrated_layers, tiers_storage
+    from mlxevict.paged_storage import DEFAULT_PAGES
+    from mlxevict.plan import calibrated_layers, rule_pages, tiers_storage
 
+    budget = f"{int(fraction * length * kv_shape(model, 2).bytes_per_token)}B"
+    if rule_pages(model, budget, length, DEFAULT_PAGES, dtype_size=2):
+        return f"disk-{DEFAULT_PAGES}"
     return "default" + tiers_storage(fraction, DEFAULT_GROUP_SIZE, calibrated_layers(model)).suffix
 
 
@@ -64,6 +70,7 @@ def split_runs(
     dropped), and those picked on the tuning half; a chosen run without a tuning result goes to ``skipped``."""
     runs: list[Run] = []
     picked: set[Run] = set()
+    shortest = min((*config.lengths_of(split), config.fidelity_length))
     for r in config.runs(split):
         if r.cache == CHOSEN and r.fraction not in chosen:
             skipped.append({"split": split, "run": r.label, "reason": "no tuning result: run the tuning half first"})
@@ -71,8 +78,8 @@ def split_runs(
         if r.cache == CHOSEN:
             r = Run(chosen[r.fraction], r.budget_of, r.fraction, r.protocol)
             picked.add(r)
-        if r.cache == PRODUCT:
-            r = Run(product_storage(model, r.fraction), r.budget_of, r.fraction, r.protocol)
+        if r.cache == PRODUCT:  # one storage for every length: the rule's at the shortest
+            r = Run(product_storage(model, r.fraction, shortest), r.budget_of, r.fraction, r.protocol)
         if r not in runs:
             runs.append(r)
     return runs, picked

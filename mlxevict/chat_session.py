@@ -13,11 +13,11 @@ from .cache import DEFAULT_BUDGET
 from .errors import MlxEvictError
 from .events import Finished, TextChunk
 from .generate import DEFAULT_MAX_TOKENS, DEFAULT_TEMP, DEFAULT_TOP_P, Event, _evicting, stream_events
-from .kvstorage import KVStorage
+from .kvstorage import DTYPE, KVStorage
 from .make import make_cache
 from .memory import MemoryGuard
 from .paged_storage import DEFAULT_PAGES
-from .plan import CachePlan, paged_plan, plan_cache
+from .plan import CachePlan, page_folder, paged_plan, plan_cache
 from .prompts import as_wrapper, encode_text, render
 from .stats import CacheStats, cache_stats
 
@@ -48,6 +48,8 @@ class ChatSession:
         storage_request: the storage asked for (``--kv-bits``), which a new budget keeps
             (:meth:`replan`); ``None``: the planner's rule (the dtype for tokens, its choice for memory).
             Default: the quantized storage of ``cache_options``, if any.
+        page_rule: a new budget (:meth:`replan`) lets the memory rule choose whether evicted entries go to a
+            page store (:func:`~mlxevict.plan.page_folder`), as ``--budget`` does when no ``--page-dir`` is given.
         cache_options: ``sinks``, ``window``, ``slack``, ``prompt_mode`` and the storage
             arguments (``kv_bits``...) for ``make_cache``; or ``page_dir`` (and ``pages``) for a paged
             cache, whose budget in memory (``"1.5GB"``) is ``budget`` itself.
@@ -72,6 +74,7 @@ class ChatSession:
         seed: Optional[int] = None,
         guard: Optional[MemoryGuard] = None,
         storage_request: "Optional[KVStorage] | str" = FROM_OPTIONS,
+        page_rule: bool = False,
         **cache_options: Any,
     ):
         self.model, self.tokenizer = model, as_wrapper(tokenizer)
@@ -85,6 +88,7 @@ class ChatSession:
         self._refeed = False
         self._stop = threading.Event()
         self.policy, self.cache_options = policy, dict(cache_options)
+        self.page_rule = page_rule
         # A paged cache sizes a budget in memory itself (the sketch of the evicted keys is part of it).
         self.page_budget: Optional[str] = None
         if isinstance(budget, (str, BudgetRequest)):
@@ -136,11 +140,25 @@ class ChatSession:
         Raises:
             ValueError: a budget or storage that cannot work (the old settings stay).
         """
+        old = dict(self.cache_options)
+        if self.page_rule:  # the memory rule chooses again: a page store in the temp folder, or none
+            self.cache_options.pop("page_dir", None)
+            folder = page_folder(None, self.model, budget, storage_asked=storage is not None and storage.quantized,
+                                 pages=self.cache_options.get("pages", DEFAULT_PAGES))  # fmt: skip
+            self.cache_options.update({"page_dir": folder} if folder else {})
+        try:
+            return self._replan(budget, storage, policy)
+        except ValueError:
+            self.cache_options = old
+            raise
+
+    def _replan(self, budget: "int | str | BudgetRequest", storage: Optional[KVStorage], policy: Optional[str]) -> CachePlan:
         if self.paged:  # entries in the model's dtype; a budget in memory counts the sketch too
             if storage is not None and storage.quantized:
                 raise ValueError("a paged cache (--page-dir) holds its entries in the model's dtype: no --kv-bits")
             plan = self._paged_plan(budget)
-            self._apply(policy, plan.tokens, None, None if plan.request.tokens is not None else plan.request.text, {})
+            page_budget = None if plan.request.tokens is not None else plan.request.text
+            self._apply(policy, plan.tokens, DTYPE, page_budget, {})
             return plan
         plan = plan_cache(self.model, budget, storage)
         self.configure(policy=policy, budget=plan.tokens, storage=plan.storage)

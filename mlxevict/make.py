@@ -16,7 +16,7 @@ from .distributed import model_shard
 from .kvstorage import DEFAULT_GROUP_SIZE, KVBits, KVStorage
 from .paged_storage import DEFAULT_PAGES, ROTATE_SKETCH, PagedStorage
 from .geometry import context_limit
-from .plan import paged_plan, plan_cache
+from .plan import page_folder, paged_plan, plan_cache
 from .quantized import QuantizedEvictingKVCache
 
 
@@ -39,7 +39,7 @@ def make_cache(
     low_bits: KVBits | None = None,
     eight_bit_layers: Sequence[int] | None = None,
     expected_tokens: int | None = None,
-    page_dir: str | Path | None = None,
+    page_dir: str | Path | bool | None = None,
     pages: int = DEFAULT_PAGES,
     **policy_kwargs: Any,
 ) -> list[EvictingKVCache]:
@@ -58,10 +58,10 @@ def make_cache(
             :func:`~mlxevict.plan.plan_cache`, as the CLI sizes ``--budget``: at most the
             model's context (a larger one is capped there, with a warning; not with ``low_bits``,
             whose budget counts the bytes the tiers may hold); without
-            ``kv_bits`` a memory budget picks the storage: the model's dtype or 8 bits when
-            they hold the model's whole context, else keys in 5 bits, values in 3 and the
-            newest tokens in 8, keys quantized per channel over 64 tokens when even that
-            would evict (the most quality per byte measured; see :func:`~mlxevict.plan.memory_storage`).
+            ``kv_bits`` a memory budget picks the storage: the model's dtype, 8 bits or 5/3 bits
+            when they hold the model's whole context, else (when it would evict) a page store
+            (``page_dir``) from 12% of a 16-bit full cache of ``expected_tokens``, and under that
+            precision tiers (see :func:`~mlxevict.plan.memory_storage`), the most quality per byte measured.
         sinks, window, slack, prompt_mode, pinned, policy_kwargs: see :class:`EvictingKVCache`.
         kv_bits: ``None`` (default) stores KV in the model's dtype (for a budget in
             tokens; see ``budget`` for one in memory); 8 or 4 store
@@ -93,8 +93,10 @@ def make_cache(
             back by page when the queries need them (:mod:`mlxevict.paged_storage`); a budget in memory then
             counts the entries held, a 2-bit sketch of every evicted key up to ``expected_tokens`` (7.8% of a
             16-bit entry each), and the pages read (:func:`~mlxevict.plan.paged_tokens`). Not with ``kv_bits``.
-            Default ``None``: evicted entries are gone.
-        pages: with ``page_dir``, pages of 16 entries read back per call and kv-head. Default 32.
+            Default ``None``: the memory rule's choice (:func:`~mlxevict.plan.rule_pages`): for a budget in memory
+            without ``kv_bits`` that would evict, from 12% of a 16-bit full cache of ``expected_tokens``, the
+            system's temp folder; else evicted entries are gone. ``False``: never a page store.
+        pages: with a page store, pages of 16 entries read back per call and kv-head. Default 32.
 
     Returns:
         A list with one cache per layer.
@@ -105,8 +107,10 @@ def make_cache(
     """
     check_supported(model)  # before anything reads the model's geometry
     options: dict[str, Any] = dict(sinks=sinks, window=window, slack=slack, prompt_mode=prompt_mode, pinned=pinned)
-    if page_dir is not None:
-        caches = paged_caches(model, policy, budget, page_dir, pages, expected_tokens, kv_bits, kv_rotate, options,
+    folder = page_folder(page_dir, model, budget, storage_asked=kv_bits is not None or bool(eight_bit_layers),
+                         expected_tokens=expected_tokens, pages=pages)  # fmt: skip
+    if folder is not None:
+        caches = paged_caches(model, policy, budget, folder, pages, expected_tokens, kv_bits, kv_rotate, options,
                               policy_kwargs)  # fmt: skip
     else:
         caches = planned_caches(model, policy, budget, options, policy_kwargs, KVStorage.of(

@@ -9,12 +9,14 @@ messages that say so.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Sequence
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
 
 from .budget import BudgetRequest, budget_tokens, parse_budget, request_nbytes, storage_nbytes
 from .errors import MlxEvictError
-from .geometry import context_limit, kv_shape
+from .geometry import context_limit, head_share, kv_shape
 from .kvstorage import DEFAULT_GROUP_SIZE, DTYPE, SPLIT_BITS, KVStorage
 from .page_store import PAGE
 from .paged_storage import DEFAULT_PAGES, sketch_bytes
@@ -32,6 +34,11 @@ HEAVY_SHARE, HEAVY_TIER_BITS = 0.14, (SPLIT_BITS, (4, 3))
 # A model's calibrated layers go to 8 bits when the budget is at least this share of a 16-bit full cache of the
 # tokens expected: on the tuning half they gained at 25% and 18.75%, lost at 15.6% and 12.5% (docs/tiers.md).
 EIGHT_BIT_SHARE = 0.18
+# From this share of a 16-bit full cache of the tokens expected, a budget in memory that would evict keeps what it
+# evicts in a page store (the system's temp folder) instead of precision tiers: on the test half at 25% and 12.5% it
+# kept 17/17 and 15/17 answers where the tiers kept 15/17 and 3/17, with lower KL (docs/tiers.md). Below it the
+# sketch of the evicted keys (7.8% of a 16-bit entry each) leaves too little to hold, and it was not measured.
+PAGED_SHARE = 0.12
 
 
 @dataclass(frozen=True)
@@ -92,14 +99,13 @@ def memory_storage(
         expected_tokens: the tokens the cache will see (prompt and answer), for the low tier's bits and
             ``eight_bit_layers``.
     """
-    head_dim = kv_shape(model_or_config).head_dim
-    group = next((g for g in (DEFAULT_GROUP_SIZE, 32) if head_dim % g == 0), None)
+    group = quant_group(model_or_config)
     if group is None:
         return DTYPE
     per_token = KVStorage.of(SPLIT_BITS, group, window_bits=8)
-    for storage in (DTYPE, KVStorage.of(8, group), per_token):
-        if limit and budget_tokens(request, model_or_config, storage, available=available) >= limit:
-            return storage
+    whole = whole_context_storage(request, model_or_config, limit, available)
+    if whole is not None:
+        return whole
     share = budget_share(request, model_or_config, expected_tokens or limit, available)
     tiers = tiers_storage(share, group, eight_bit_layers)
     # Without the 8-bit layers when their bytes leave no room to evict.
@@ -109,6 +115,26 @@ def memory_storage(
         if tokens >= 2 * (default_window(tokens) + KEY_GROUP):
             return storage
     return per_token
+
+
+def quant_group(model_or_config: Any) -> Optional[int]:
+    """The memory rule's quantization group: 64 channels, or 32 for a head dim 64 does not divide (``None``: neither)."""
+    head_dim = kv_shape(model_or_config).head_dim
+    return next((g for g in (DEFAULT_GROUP_SIZE, 32) if head_dim % g == 0), None)
+
+
+def whole_context_storage(
+    request: BudgetRequest, model_or_config: Any, limit: Optional[int], available: Optional[int] = None
+) -> Optional[KVStorage]:
+    """The finest storage in which a budget in memory holds the model's whole context (its dtype, 8 bits, then
+    5/3 bits with an 8-bit window): nothing is ever evicted. ``None``: none does, or the context is unknown."""
+    group = quant_group(model_or_config)
+    if not limit or group is None:
+        return None
+    for storage in (DTYPE, KVStorage.of(8, group), KVStorage.of(SPLIT_BITS, group, window_bits=8)):
+        if budget_tokens(request, model_or_config, storage, available=available) >= limit:
+            return storage
+    return None
 
 
 def tiers_storage(share: float, group: int, eight_bit_layers: Sequence[int] = ()) -> KVStorage:
@@ -182,6 +208,50 @@ def paged_plan(
         return plan_cache(model_or_config, request, DTYPE)
     tokens = paged_tokens(request, model_or_config, expected_tokens, pages)
     return CachePlan(tokens, DTYPE, context_limit(model_or_config), request)
+
+
+PageDir = Union[str, Path, bool, None]
+
+
+def rule_pages(
+    model_or_config: Any, budget: "int | str | BudgetRequest", expected_tokens: Optional[int] = None,
+    pages: int = DEFAULT_PAGES, available: Optional[int] = None, dtype_size: Optional[int] = None,
+) -> bool:
+    """Whether the memory rule keeps what a budget evicts in a page store: a budget in memory that holds no
+    storage's whole context (:func:`whole_context_storage`), at least ``PAGED_SHARE`` of a 16-bit full cache of
+    ``expected_tokens`` (default: the model's context), that a paged cache can be sized in
+    (:func:`paged_tokens`, entries of ``dtype_size`` bytes a value: default the model's); on a model whose heads
+    are not split over ranks (a page store was not tried there)."""
+    request = parse_budget(budget)
+    if request.tokens is not None or hasattr(model_or_config, "layers") and head_share(model_or_config) != 1:
+        return False
+    limit = context_limit(model_or_config)
+    expected = expected_tokens or limit
+    if not expected or whole_context_storage(request, model_or_config, limit, available) is not None:
+        return False
+    if budget_share(request, model_or_config, expected, available) < PAGED_SHARE:
+        return False
+    try:
+        paged_tokens(request, model_or_config, expected, pages, available, dtype_size)
+    except MlxEvictError:
+        return False
+    return True
+
+
+def page_folder(
+    page_dir: PageDir, model_or_config: Any, budget: "int | str | BudgetRequest", *, storage_asked: bool = False,
+    expected_tokens: Optional[int] = None, pages: int = DEFAULT_PAGES, available: Optional[int] = None,
+) -> Optional["str | Path"]:
+    """Where a cache's evicted entries go: ``page_dir`` when one is given, nowhere for ``False``, and for ``None``
+    the memory rule's choice (:func:`rule_pages`; never when a storage is asked for): the system's temp folder
+    (the file has no name there, so nothing is left behind)."""
+    if page_dir is False:
+        return None
+    if page_dir is not None:
+        return page_dir
+    if storage_asked or not rule_pages(model_or_config, budget, expected_tokens, pages, available):
+        return None
+    return tempfile.gettempdir()
 
 
 def calibrated_layers(model_or_config: Any) -> tuple[int, ...]:

@@ -187,8 +187,11 @@ def test_long_suite_end_to_end_structure(model, tmp_path):
     results = le.run_long(model, TOK, config, labels.append)
     assert set(results["splits"]) == {"tuning", "test"}
     assert len(labels) == sum(len(s["rows"]) for s in results["splits"].values()) <= long_runs.total_runs(config)
-    product = le.product_storage(model, 0.25)  # the memory rule's storage at 25%: the tiers (no calibration here)
-    assert product == "default:k5v4w8c64l32" and results["chosen"]["0.25"] in ("default", product, "tiers-k3v2")
+    # the memory rule's storage at 25% of so short a context: the tiers (the page store's 512 entries read a step
+    # alone would take more than the budget); at 25% of the model's 4,096-token context, its page store
+    product = le.product_storage(model, 0.25, LENGTH - 100)
+    assert product == "default:k5v4w8c64l32" and le.product_storage(model, 0.25, 4096) == "disk-32"
+    assert results["chosen"]["0.25"] in ("default", product, "tiers-k3v2")
     test = results["splits"]["test"]
     tuned = {L for r in results["splits"]["tuning"]["rows"] for L in r["retrieval_by_length"]}
     assert tuned == {str(LENGTH - 100)} and {L for r in test["rows"] for L in r["retrieval_by_length"]} == {str(LENGTH)}
@@ -274,11 +277,13 @@ def test_quick_long_eval_on_the_real_model(smollm_path, tmp_path):
     assert args.func(args) == 0
     results = json.loads((tmp_path / "long.json").read_text())
     rows = {r["cache"]: r for r in results["splits"]["test"]["rows"]}
-    # At 25% of the bytes the product's row carries the demo model's shipped calibration (its layers in 8 bits).
+    # At 25% of the bytes the product's row is the memory rule's page store (bytes counted at 16 bits); its tiers,
+    # where the rule picks them, carry the demo model's shipped calibration (its layers in 8 bits).
     layers = calibrated_layers(smollm_path)
     assert layers, "the demo model's calibration ships in mlxevict/calibrations/"
-    product = "default:k5v4w8c64l32e" + ".".join(map(str, layers))
-    assert set(rows) == {"kvcache", "default", product}
+    assert le.product_storage(smollm_path, 0.2, 128) == "default:k5v4w8c64l32e" + ".".join(map(str, layers))
+    product = "disk-32"
+    assert le.product_storage(smollm_path, 0.25, 512) == product and set(rows) == {"kvcache", "default", product}
     assert rows[product]["kv_fraction_16bit"] <= 0.25
     assert (tmp_path / "long_test.png").stat().st_size > 0
 
@@ -295,12 +300,15 @@ def test_the_variants_help_names_every_simulated_storage():
 def test_the_product_row_is_what_the_memory_rule_plans(model, fraction):
     """The eval's product row at a share of the bytes is the storage ``plan_cache`` picks for that share."""
     from mlxevict.geometry import kv_shape
-    from mlxevict.plan import plan_cache
+    from mlxevict.plan import plan_cache, rule_pages
 
-    context = 1024
-    budget = f"{int(fraction * context * kv_shape(model, 2).bytes_per_token)}B"
-    planned = plan_cache(model, budget, expected_tokens=context).storage
-    assert le.product_storage(model, fraction) == "default" + planned.suffix
+    for context in (1024, 4096):
+        budget = f"{int(fraction * context * kv_shape(model, 2).bytes_per_token)}B"
+        planned = plan_cache(model, budget, expected_tokens=context).storage
+        pages = rule_pages(model, budget, context, dtype_size=2)
+        assert le.product_storage(model, fraction, context) == ("disk-32" if pages else "default" + planned.suffix)
+        # this model's page store fits a quarter of its whole context; an eighth of it, or a shorter one, is all sketch
+        assert pages == (fraction == 0.25 and context == 4096)
 
 
 def test_a_variant_named_as_a_storage_stays_that_storage(model):
@@ -310,6 +318,6 @@ def test_a_variant_named_as_a_storage_stays_that_storage(model):
     config = long_runs.LongConfig(parts=("memory",), variants=(tiers,), memory_fractions=(0.25, 0.125))
     runs, picked = le.split_runs(model, config, "tuning", {}, skipped := [])
     names = {(r.cache, r.fraction) for r in runs}
-    product = le.product_storage(model, 0.125)
+    product = le.product_storage(model, 0.125, min(config.lengths_of("tuning")))
     assert product != tiers and {(tiers, 0.125), (product, 0.125), (tiers, 0.25), ("default", 0.125)} <= names
     assert len(runs) == len(set(runs)) and not picked and not skipped  # the 25% product is the tiers: run once

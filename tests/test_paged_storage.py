@@ -180,7 +180,9 @@ def test_generate_with_a_page_dir_evicts_to_disk_and_says_what_it_read(capsys, t
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--pages", "4"], "--pages needs --page-dir"),
+        (["--page-dir", "none", "--pages", "4"], "--pages needs a page store: drop --page-dir none"),
+        (["--pages", "4", "--kv-bits", "4"], "--pages keeps entries in the model's dtype"),
+        (["--pages", "0"], "--pages 0: read at least one page"),
         (["--page-dir", "DIR", "--kv-bits", "4"], "--page-dir keeps entries in the model's dtype"),
         (["--page-dir", "DIR/file/pages"], "cannot make page folder"),
     ],

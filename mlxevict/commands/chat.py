@@ -69,14 +69,16 @@ def run_chat(args: argparse.Namespace) -> int:
     check_sampling(args)
     from ..chat_session import ChatSession
     from ..memory import MemoryGuard
-    from .common import budget_option, load, page_budget, page_options, plan_budget, report, storage_flags
+    from .common import budget_option, load, page_budget, page_options, plan_budget, report, rule_page_options
+    from .common import storage_flags
     from .sampling import resolve_sampling
 
     request = budget_option(args)
     storage = storage_flags(args)  # bad storage options fail before a model loads
-    paged = page_options(args)
+    given = page_options(args)  # bad page flags fail before a model loads
     say_loading(args)
     resolved, model, tokenizer = load(args)
+    paged = rule_page_options(args, model, request)  # --page-dir, or the memory rule's temp folder
     if paged:  # entries in the model's dtype; a budget in memory counts the sketch too: the session sizes it
         budget, stored = page_budget(model, request), {}
     else:
@@ -97,6 +99,7 @@ def run_chat(args: argparse.Namespace) -> int:
         sinks=args.sinks,
         window=args.window,
         storage_request=storage,
+        page_rule="page_dir" not in given and storage is None,
         **sampling,
         **stored,
         **paged,

@@ -15,7 +15,7 @@ from ..launch import RankStats, launched, load_sharded, rank_line
 from ..kvstorage import DTYPE, FLAGS, NONE, KVStorage, bits_label, parse_bits, parse_layers
 from ..make import make_cache
 from ..memory import format_bytes
-from ..plan import CachePlan, plan_cache
+from ..plan import CachePlan, page_folder, plan_cache
 from ..resolve import Resolved, load_model, resolve_model
 from .flags import (  # noqa: F401 (the flags' old import path: other commands read them from here)
     add_cache_options,
@@ -95,20 +95,35 @@ def cache_storage(args: argparse.Namespace, request: BudgetRequest, model: Any) 
 
 
 def page_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``make_cache``'s ``page_dir`` and ``pages`` from ``--page-dir`` and ``--pages`` (empty without a folder).
+    """``make_cache``'s ``page_dir`` and ``pages`` from ``--page-dir`` and ``--pages``: empty without ``--page-dir``
+    (the memory rule decides: :func:`rule_page_options`), ``page_dir=False`` for ``--page-dir none``.
 
     Raises:
-        MlxEvictError: ``--pages`` without ``--page-dir``, or ``--page-dir`` with ``--kv-bits``.
+        MlxEvictError: ``--pages`` with ``--page-dir none``, or ``--page-dir`` or ``--pages`` with ``--kv-bits``.
     """
     page_dir, pages = getattr(args, "page_dir", None), getattr(args, "pages", None)
-    if pages is not None and not page_dir:
-        raise MlxEvictError("--pages needs --page-dir: the folder the evicted pages go to")
-    if not page_dir:
-        return {}
-    if storage_flags(args):
-        raise MlxEvictError("--page-dir keeps entries in the model's dtype: leave out --kv-bits and its storage "
-                            "flags")  # fmt: skip
-    return {"page_dir": page_dir, **({"pages": pages} if pages else {})}
+    if page_dir is not None and page_dir.strip().lower() == "none":
+        if pages is not None:
+            raise MlxEvictError("--pages needs a page store: drop --page-dir none")
+        return {"page_dir": False}
+    if pages is not None and pages < 1:
+        raise MlxEvictError(f"--pages {pages}: read at least one page")
+    if (page_dir or pages is not None) and storage_flags(args):
+        flag = "--page-dir" if page_dir else "--pages"
+        raise MlxEvictError(f"{flag} keeps entries in the model's dtype: leave out --kv-bits and its storage flags")
+    return {**({"page_dir": page_dir} if page_dir else {}), **({"pages": pages} if pages else {})}
+
+
+def rule_page_options(
+    args: argparse.Namespace, model: Any, request: BudgetRequest, expected_tokens: Optional[int] = None
+) -> dict[str, Any]:
+    """:func:`page_options` with the memory rule's page store (:func:`mlxevict.plan.page_folder`) when no
+    ``--page-dir`` is given: ``{"page_dir": ..., "pages": ...}`` for a paged cache, else ``{}``."""
+    given = page_options(args)
+    pages = {"pages": given["pages"]} if "pages" in given else {}
+    folder = page_folder(given.get("page_dir"), model, request, storage_asked=storage_flags(args) is not None,
+                         expected_tokens=expected_tokens, **pages)  # fmt: skip
+    return {} if folder is None else {"page_dir": folder, **pages}
 
 
 def page_budget(model: Any, request: BudgetRequest) -> "int | BudgetRequest":
@@ -122,7 +137,7 @@ def build_caches(
 ) -> list:
     """``make_cache`` from the command line's options, with CLI wording on errors (``expected_tokens``: the
     prompt's and the answer's, when known)."""
-    paged = page_options(args)
+    paged = rule_page_options(args, model, request, expected_tokens)
     if paged:  # make_cache sizes a budget in memory by the paged rule (plan.paged_plan)
         try:
             return make_cache(model, args.policy, page_budget(model, request), sinks=args.sinks, window=args.window,

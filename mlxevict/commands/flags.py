@@ -155,10 +155,12 @@ def add_page_options(parser: argparse.ArgumentParser) -> None:
         help="write evicted KV entries to a file in DIR (an SSD) and read back, each step, the 16-entry pages the "
         "queries need; a --budget in memory then counts the entries held, a 2-bit copy of every evicted key "
         "(7.8%% of a 16-bit entry) and the pages read. The model's dtype only (no --kv-bits); the file has no name "
-        "in DIR and its space is freed when the process ends, however it ends",
+        "in DIR and its space is freed when the process ends, however it ends. Default: the system's temp folder "
+        "when a --budget in memory without --kv-bits would evict and is at least 12%% of a 16-bit full cache of "
+        "the tokens expected; none: never",
     )
     group.add_argument(
-        "--pages", type=int, default=None, metavar="N", help="with --page-dir: pages read back per step and kv-head "
+        "--pages", type=int, default=None, metavar="N", help="with a page store: pages read back per step and kv-head "
         "(default 32: 512 entries)",
     )
 

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import psutil
 
-from ..budget import AUTO_FRACTION, parse_budget, parse_size, storage_nbytes
+from ..budget import AUTO_FRACTION, parse_budget, parse_size, request_nbytes, storage_nbytes
 from ..cache import DEFAULT_BUDGET
 from ..distributed import plan_hosts
 from ..errors import MlxEvictError
@@ -19,9 +19,10 @@ from ..geometry import kv_shape, weights_nbytes
 from ..kvstorage import DEFAULT_GROUP_SIZE, GROUP_SIZES, KV_BITS, SPLIT_BITS, KVStorage
 from ..memory import DEFAULT_MARGIN, format_bytes
 from ..openblas import openblas_library, openblas_loaded
-from ..plan import paged_tokens, plan_cache, sketch_bytes_per_token, tiers_storage
+from ..paged_storage import DEFAULT_PAGES
+from ..plan import page_folder, paged_tokens, plan_cache, sketch_bytes_per_token, tiers_storage
 from ..resolve import check_architecture, hub_weights_nbytes, resolve_model
-from .flags import add_model_argument
+from .flags import add_model_argument, add_page_options
 
 PLAN_TOKENS = (8 * 1024, 32 * 1024, 128 * 1024)
 
@@ -56,6 +57,7 @@ def add_info_parser(subparsers: argparse._SubParsersAction) -> None:
         default=str(DEFAULT_BUDGET),
         help="the budget whose savings to show: tokens, 1.5GB or auto (default %(default)s)",
     )
+    add_page_options(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument("--hosts", type=int, help="plan the model split over N machines (mlx.launch -n N)")
     parser.add_argument("--memory", help="with --hosts: each machine's memory (16GB); default: this machine's")
@@ -132,7 +134,16 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     compare_at = min(context or PLAN_TOKENS[1], PLAN_TOKENS[1])
     full = per_token * compare_at
     held = plan_cache(resolved.path, min(budget.tokens, compare_at), budget.storage).nbytes(resolved.path)
-    if budget.storage.low_bits and budget.tokens > compare_at:
+    # The memory rule's page store (as chat plans it, at the context): entries in the dtype, the sketch, the pages.
+    flag, pages = args.page_dir, args.pages or DEFAULT_PAGES
+    given = False if flag is not None and flag.strip().lower() == "none" else flag
+    folder = page_folder(given, resolved.path, budget.request, pages=pages, available=free)
+    paged = budget.request.tokens is None and folder is not None
+    if paged:
+        tokens = paged_tokens(budget.request, resolved.path, pages=pages, available=free)
+        budget = replace(budget, tokens=tokens, storage=KVStorage(), notes=())
+        held = min(request_nbytes(budget.request, free), full)
+    elif budget.storage.low_bits and budget.tokens > compare_at:
         # Precision tiers spend the bytes beyond the low tier's entries on keeping entries high, up to all of them.
         high = replace(budget.storage, low_bits=None)
         held = min(budget.nbytes(resolved.path), storage_nbytes(resolved.path, compare_at, high))
@@ -159,8 +170,10 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "auto_budget_nbytes": auto.nbytes(resolved.path),
         "budget": budget.tokens,
         "budget_kv_bits": budget.storage.kv_bits,
-        "budget_kv_nbytes": budget.nbytes(resolved.path),
-        "budget_storage": budget.storage.label,
+        "budget_kv_nbytes": request_nbytes(budget.request, free) if paged else budget.nbytes(resolved.path),
+        "budget_storage": f"{budget.storage.label}, evicted entries to disk" if paged else budget.storage.label,
+        "budget_paged": paged,
+        "budget_page_rule": paged and given is None,
         "budget_text": budget.request.text,
         "compare_at_tokens": compare_at,
         # A budget in memory picks its storage by its share of the tokens expected: here the context, as chat does.
@@ -203,7 +216,13 @@ def _page_lines(p: dict[str, Any], budget: str) -> list[str]:
     share = pages["sketch_bytes_per_token"] / pages["entry_bytes_16bit"]
     line = (f"page store    --page-dir keeps evicted entries on disk and {pages['sketch_bytes_per_token']:,} B per "
             f"evicted token in memory ({share:.1%} of a 16-bit entry)")
-    if pages["budget_held"] is not None:
+    if p.get("budget_page_rule"):
+        line += (f"; --budget {budget} uses it without --page-dir (the memory rule: it would evict, and it is at "
+                 f"least 12% of a 16-bit full cache of the context), in the system's temp folder, and holds "
+                 f"{p['budget']:,} entries at the context; --page-dir none: precision tiers instead")
+    elif p.get("budget_paged"):
+        line += f"; --budget {budget} with --page-dir holds {p['budget']:,} entries at the context"
+    elif pages["budget_held"] is not None:
         line += f"; --budget {budget} then holds {pages['budget_held']:,} entries at the context"
     elif pages["budget_error"]:
         line += f"; {pages['budget_error']}"
@@ -226,7 +245,7 @@ def render(p: dict[str, Any]) -> str:
     weights = format_bytes(p["weights_nbytes"]) if p["weights_nbytes"] else "?"
     context = p["context_limit"]
     auto_bits = f", {_label(p['auto_kv_bits'])}" if p["auto_kv_bits"] else ""
-    budget_bits = f" ({p['budget_storage']})" if p["budget_kv_bits"] else ""
+    budget_bits = f" ({p['budget_storage']})" if p["budget_kv_bits"] or p.get("budget_paged") else ""
     compare = p["compare_at_tokens"]
     beyond = ""  # only precision tiers count a budget beyond the context: entries at their low tier's bytes
     if context and p["budget"] > context:

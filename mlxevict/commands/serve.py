@@ -136,7 +136,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..server.ranks import ShardedEngine, agreed_bytes, follow, watch_launcher
     from ..paged_storage import DEFAULT_PAGES
     from ..plan import paged_plan
-    from .common import budget_option, build_caches, load, page_options, plan_budget, report, storage_flags
+    from .common import budget_option, build_caches, load, plan_budget, report, rule_page_options, storage_flags
     from .sampling import resolve_sampling
 
     request = budget_option(args)
@@ -149,7 +149,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if template is not None:
         tokenizer.chat_template = template
     build_caches(model, args, request)  # a budget that cannot work fails here, in CLI words
-    paged = page_options(args)
+    paged = rule_page_options(args, model, request)  # --page-dir, or the memory rule's temp folder
     if paged:  # entries held in the model's dtype; a budget in memory counts the sketch of the context too
         pages = paged.get("pages", DEFAULT_PAGES)
         plan = paged_plan(model, request, pages)
