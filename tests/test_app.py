@@ -472,6 +472,31 @@ async def test_a_paged_session_takes_a_memory_budget_refuses_kv_bits_and_shows_t
         assert "on disk " in str(app.query_one(StatsPanel).query_one("#kv-text", Static).render())
 
 
+@pilot_test
+async def test_a_memory_budget_in_the_settings_pages_by_the_rule_and_kv_bits_keep_the_tiers(tmp_path):
+    """As ``--budget`` without ``--page-dir``: a budget in memory that would evict goes to the temp folder."""
+    import tempfile
+
+    import mlx.core as mx
+    from mlx_lm import load
+
+    path = build_tiny_model(tmp_path / "tiny16", hidden=128, heads=2, kv_heads=2, max_position_embeddings=8192,
+                            dtype=mx.float16)  # fmt: skip
+    model, tokenizer = load(str(path))
+    session = ChatSession(model, tokenizer, budget=512, page_rule=True, max_tokens=8, temp=0.0)
+    app = scripted_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        shown = lambda: str(app.query_one("#kv-policy", Static).render())  # noqa: E731
+        await set_in_dialog(pilot, app, "2MB", "")  # 24% of a 16-bit cache of the 8,192-token context
+        await wait_until(pilot, lambda: session.page_budget == "2MB")
+        held = paged_tokens(parse_budget("2MB"), model)
+        assert session.cache_options["page_dir"] == tempfile.gettempdir() and session.budget == held
+        assert f"budget {held:,} (2MB) · evicted to disk" in shown()
+        await set_in_dialog(pilot, app, "2MB", "5,3")  # a storage asked for: no page store
+        await wait_until(pilot, lambda: not session.paged)
+        assert session.caches[0].kv_bits == (5, 3) and "5/3-bit" in shown() and "disk" not in shown()
+
+
 def first_hit(app) -> str:
     options = app.screen.query_one(OptionList)
     return str(options.get_option_at_index(0).prompt) if options.option_count else ""
