@@ -25,6 +25,9 @@ PAGE = 16  # entries per page (Quest's page size)
 _RAW = {1: (mx.uint8, np.uint8), 2: (mx.uint16, np.uint16), 4: (mx.uint32, np.uint32)}  # item size: raw words
 
 
+ELSEWHERE = "; give --page-dir another folder (page_dir=...), or --page-dir none (page_dir=False) for no page store"
+
+
 class PageStore:
     """Whole pages of ``(heads, PAGE, width)`` entries in a temporary file of ``folder``.
 
@@ -42,7 +45,7 @@ class PageStore:
             fd, self.path = tempfile.mkstemp(prefix="mlxevict-", suffix=".pages", dir=folder)
             os.unlink(self.path)  # the open file lives on, nameless, until it is closed or the process ends
         except OSError as err:
-            raise MlxEvictError(f"cannot write pages to {folder}: {err.strerror or err}") from None
+            raise MlxEvictError(f"cannot write pages to {folder}: {err.strerror or err}{ELSEWHERE}") from None
         self._file = os.fdopen(fd, "w+b")
         self.heads, self.width, self.dtype = heads, width, dtype
         self._raw_mx, self._raw_np = _RAW[dtype.size]
@@ -70,7 +73,7 @@ class PageStore:
             self._file.write(np.ascontiguousarray(pages).tobytes())
             self._file.flush()
         except OSError as err:
-            raise MlxEvictError(f"cannot write pages to {self.path}: {err.strerror or err}") from None
+            raise MlxEvictError(f"cannot write pages to {self.path}: {err.strerror or err}{ELSEWHERE}") from None
         self.pages += count // PAGE
 
     def read(self, index: np.ndarray) -> mx.array:
