@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import tempfile
+import urllib.error
+import urllib.request
 
 import mlx.core as mx
 import pytest
 from model_files import build_tiny_model
 from test_cli import cli
+from test_serve import _read_line
 from tiny_models import random_tokens, run_chunks, tiny_model
 
 from mlxevict import make_cache
@@ -110,3 +117,29 @@ def test_a_chat_lets_the_rule_choose_again_at_each_new_budget(tiny16):
     fixed = ChatSession(model, tokenizer, budget=512, page_dir=False, max_tokens=2, temp=0.0)
     fixed.replan(share(model, 0.25))  # opted out (--page-dir none): the tiers
     assert not fixed.paged and fixed.caches[0].kv_bits is not None
+
+
+def test_a_server_started_with_a_memory_budget_pages_by_the_rule(tiny16):
+    """``mlxevict serve`` as people start it: no ``--page-dir``, a budget in memory that would evict."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "mlxevict.cli", "serve", str(tiny16), "--port", "0", "--budget", "2MB"]
+    server = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        line = _read_line(server.stderr, r"at (http://\S+/v1) \(.*evicted entries to (\S+)\)", 120)
+        url, folder = line.group(1), line.group(2).rstrip(",")
+        assert folder == tempfile.gettempdir()
+        text = " ".join(f"word{i % 50} river stone" for i in range(100))  # ~1,600 tokens: more than 2MB holds
+        body = {"model": "default", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+        request = urllib.request.Request(f"{url}/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                cache = json.loads(response.read())["usage"]["mlxevict"]
+        except urllib.error.HTTPError as err:
+            pytest.fail(f"{err.code}: {err.read().decode()}")
+        assert cache["evicted"] > 0 and cache["disk_bytes"] > 0 and cache["read_bytes"] > 0
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
