@@ -38,7 +38,7 @@ from mlxevict.plan import paged_tokens, protected_room
 
 from .paged import is_paged, make_paged
 
-DISK = re.compile(r"disk-(\d+)([ru]?)")  # the product's paged cache (mlxevict.paged_storage), K pages read back a call
+DISK = re.compile(r"disk-(\d+)([ru]?)(m?)")  # the product's paged cache (mlxevict.paged_storage), K pages read back a call
 
 
 def disk_pages(name: str) -> int | None:
@@ -46,6 +46,12 @@ def disk_pages(name: str) -> int | None:
     ``disk-Ku``: not; ``disk-K``: the product's default); ``None`` for any other name."""
     match = DISK.fullmatch(name)
     return int(match.group(1)) if match else None
+
+
+def disk_score(name: str) -> str:
+    """A ``disk-K`` name's page score: ``disk-Km`` (``disk-Krm``...) scores a page by its best sketched key
+    (:data:`mlxevict.paged_storage.PAGE_SCORES`), the others by the mass of its keys (the product's)."""
+    return "max" if DISK.fullmatch(name).group(3) else "logsumexp"
 
 
 def disk_rotate(name: str) -> bool | None:
@@ -162,9 +168,12 @@ def make_caches(model: nn.Module, name: str, budget: int | None, settings: Cache
     if is_paged(name):
         return make_paged(model, name, budget, sinks=settings.sinks, window=settings.window, slack=settings.slack)
     if disk_pages(name) is not None:
-        return mlxevict.make_cache(model, "default", budget, page_dir=tempfile.gettempdir(), pages=disk_pages(name),
-                                   kv_rotate=disk_rotate(name), sinks=settings.sinks, window=settings.window,
-                                   slack=settings.slack)  # fmt: skip
+        caches = mlxevict.make_cache(model, "default", budget, page_dir=tempfile.gettempdir(), pages=disk_pages(name),
+                                     kv_rotate=disk_rotate(name), sinks=settings.sinks, window=settings.window,
+                                     slack=settings.slack)  # fmt: skip
+        for cache in caches:  # a variant's page score (the product's is the default)
+            cache.storage.page_score = disk_score(name)
+        return caches
     # "full" never evicts: its budget is never reached, any valid number will do.
     size = budget if takes_budget(name) else DEFAULT_BUDGET
     policy, storage = split_storage(name)

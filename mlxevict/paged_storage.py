@@ -37,6 +37,7 @@ from .rotation import rotation_in
 DEFAULT_PAGES = 32  # pages read back per call and kv-head: 512 entries (the pilot's shared-32s2)
 SKETCH_BITS = 2
 ROTATE_SKETCH = True  # the sketch's default (PagedStorage; make_cache's kv_rotate=None): chosen on the tuning half (docs/tiers.md)
+PAGE_SCORES = ("logsumexp", "max")  # how a page's entries' scores make the page's: their mass, or the best one
 SCORE_TOKENS = 16  # a prompt chunk's tokens scored at a time: their scores over every evicted entry are transient
 
 
@@ -79,22 +80,27 @@ class PagedStorage(DenseStorage):
         bits: the sketch's bits, one of ``mx.quantize``'s (2-6, 8). Default 2.
         sketch_limit: most evicted entries sketched (what a memory budget holds); past it the oldest whole
             pages lose their sketch and are never read back (evicted for good). ``None``: no limit.
+        page_score: ``"logsumexp"`` (default: the attention mass a page's sketched keys would take) or ``"max"``
+            (its one best key: a page holding one fact is not outranked by pages of many middling keys).
         rotate: sketch the keys rotated by :func:`~mlxevict.rotation.rotation_matrix` (and score with the
             queries rotated the same way: ``(qR)·(kR) = q·k``), which spreads the few large key channels that
             make a 2-bit group coarse. Default :data:`ROTATE_SKETCH` (chosen on the tuning half).
     """
 
     def __init__(self, folder: str | Path, pages: int = DEFAULT_PAGES, bits: int = SKETCH_BITS,
-                 sketch_limit: Optional[int] = None, rotate: bool = ROTATE_SKETCH) -> None:
+                 sketch_limit: Optional[int] = None, rotate: bool = ROTATE_SKETCH,
+                 page_score: str = PAGE_SCORES[0]) -> None:  # fmt: skip
         super().__init__()
         folder = Path(folder).expanduser()
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise MlxEvictError(f"cannot make page folder {folder}: {err.strerror or err}") from None
-        if pages < 0 or bits not in (2, 3, 4, 5, 6, 8):
-            raise MlxEvictError(f"pages={pages}, bits={bits}: pages must be 0 or more, bits one of 2-6 or 8")
+        if pages < 0 or bits not in (2, 3, 4, 5, 6, 8) or page_score not in PAGE_SCORES:
+            raise MlxEvictError(f"pages={pages}, bits={bits}, page_score={page_score!r}: pages must be 0 or more, bits "
+                                f"one of 2-6 or 8, page_score one of {', '.join(PAGE_SCORES)}")  # fmt: skip
         self.folder, self.pages, self.bits, self.rotate = folder, pages, bits, rotate
+        self.page_score = page_score
         self.store: Optional[PageStore] = None
         self.sketch: Optional[list[mx.array]] = None  # mx.quantize's (words, scales, biases) of every evicted key
         self.tail: Optional[mx.array] = None  # (B, H, < PAGE, D + Dv): evicted entries short of a whole page
@@ -171,7 +177,8 @@ class PagedStorage(DenseStorage):
             piece = q[:, :, :, t : t + SCORE_TOKENS]
             s = mx.quantized_matmul(piece.reshape(B, H, -1, piece.shape[-1]), *sketch, transpose=True,
                                     group_size=group, bits=self.bits)  # fmt: skip
-            pieces.append(mx.logsumexp(s.reshape(B, H, -1, piece.shape[3], full, PAGE), axis=-1).max(axis=2))
+            reduce = mx.logsumexp if self.page_score == "logsumexp" else mx.max
+            pieces.append(reduce(s.reshape(B, H, -1, piece.shape[3], full, PAGE), axis=-1).max(axis=2))
             if L > SCORE_TOKENS:
                 mx.eval(pieces[-1])
         return mx.concatenate(pieces, axis=2) if len(pieces) > 1 else pieces[0]
@@ -242,7 +249,8 @@ class PagedStorage(DenseStorage):
     def meta(self) -> dict[str, Any]:
         """The page store's settings and counters (``paged``: its pages read back a call)."""
         return {"paged": self.pages, "page_dir": str(self.folder), "sketch_bits": self.bits,
-                "sketch_rotate": self.rotate, "sketch_limit": self.sketch_limit, "evicted": self.evicted}
+                "sketch_rotate": self.rotate, "sketch_limit": self.sketch_limit, "evicted": self.evicted,
+                "page_score": self.page_score}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> "PagedStorage":
@@ -254,6 +262,7 @@ class PagedStorage(DenseStorage):
         if "page_dir" not in meta:
             raise MlxEvictError("this cache was saved with a page store (--page-dir) whose evicted entries were in a "
                                 "temporary file: it cannot be loaded; run it again")  # fmt: skip
-        storage = cls(meta["page_dir"], meta["paged"], meta["sketch_bits"], meta["sketch_limit"], meta["sketch_rotate"])
+        storage = cls(meta["page_dir"], meta["paged"], meta["sketch_bits"], meta["sketch_limit"], meta["sketch_rotate"],
+                      meta.get("page_score", PAGE_SCORES[0]))  # fmt: skip
         storage.evicted = meta["evicted"]
         return storage

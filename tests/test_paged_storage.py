@@ -290,3 +290,23 @@ def test_its_memory_with_the_sketch_is_never_above_a_full_cache(tmp_path, budget
         stats = cache_stats(caches)
         assert stats.nbytes <= stats.full_nbytes, (i, stats.nbytes, stats.full_nbytes)
     assert stats.evicted > 0 and caches[0].storage.sketch is not None
+
+
+def test_a_page_scored_by_its_best_key_outranks_a_page_of_middling_ones(tmp_path):
+    """``page_score="max"`` (the eval's ``disk-Km``): one strong key outranks sixteen middling ones, which
+    outrank it by their mass (the default). Keys on one channel, so the 2-bit sketch holds them exactly."""
+    D = 64
+    first = np.zeros((1, 1, 2 * PAGE, D), np.float32)
+    first[..., :PAGE, 0] = 3.0  # page 0: sixteen keys of 3
+    first[..., PAGE, 0], first[..., PAGE + 1 :, 0] = 5.0, -20.0  # page 1: one key of 5, the rest far away
+    keys = mx.array(first)
+    query = mx.array(np.eye(1, D, dtype=np.float32).reshape(1, 1, 1, D))
+    storage = PagedStorage(tmp_path, pages=1, rotate=False)
+    storage._spill(keys, mx.zeros_like(keys))
+    mass = np.array(storage.page_scores(query, 1.0, 2))[0, 0, 0]
+    assert mass.argmax() == 0 and np.allclose(mass, [3.0 + np.log(PAGE), 5.0], atol=1e-4)
+    storage.page_score = "max"
+    best = np.array(storage.page_scores(query, 1.0, 2))[0, 0, 0]
+    assert best.argmax() == 1 and np.allclose(best, [3.0, 5.0], atol=1e-4)
+    with pytest.raises(MlxEvictError, match="page_score one of logsumexp, max"):
+        PagedStorage(tmp_path, page_score="sum")
