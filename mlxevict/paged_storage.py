@@ -172,12 +172,11 @@ class PagedStorage(DenseStorage):
         sketch = [x[:, :, : full * PAGE] for x in self.sketch]
         group = sketch_group(queries.shape[-1])
         q = self._turned(scale * queries).reshape(B, H, -1, L, queries.shape[-1])  # a kv-head's query heads, tokens
-        pieces = []
+        pieces, reduce = [], mx.logsumexp if self.page_score == "logsumexp" else mx.max
         for t in range(0, L, SCORE_TOKENS):  # a prompt chunk in pieces: tokens x evicted entries scores each
             piece = q[:, :, :, t : t + SCORE_TOKENS]
             s = mx.quantized_matmul(piece.reshape(B, H, -1, piece.shape[-1]), *sketch, transpose=True,
                                     group_size=group, bits=self.bits)  # fmt: skip
-            reduce = mx.logsumexp if self.page_score == "logsumexp" else mx.max
             pieces.append(reduce(s.reshape(B, H, -1, piece.shape[3], full, PAGE), axis=-1).max(axis=2))
             if L > SCORE_TOKENS:
                 mx.eval(pieces[-1])

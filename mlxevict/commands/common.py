@@ -22,6 +22,7 @@ from .flags import (  # noqa: F401 (the flags' old import path: other commands r
     add_model_argument,
     add_sampling_options,
     kv_bits_option,
+    page_dir_flag,
 )
 from .sampling import check_sampling  # noqa: F401 (its old import path)
 
@@ -101,8 +102,8 @@ def page_options(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         MlxEvictError: ``--pages`` with ``--page-dir none``, or ``--page-dir`` or ``--pages`` with ``--kv-bits``.
     """
-    page_dir, pages = getattr(args, "page_dir", None), getattr(args, "pages", None)
-    if page_dir is not None and page_dir.strip().lower() == "none":
+    page_dir, pages = page_dir_flag(args), getattr(args, "pages", None)
+    if page_dir is False:
         if pages is not None:
             raise MlxEvictError("--pages needs a page store: drop --page-dir none")
         return {"page_dir": False}

@@ -165,6 +165,12 @@ def add_page_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def page_dir_flag(args: argparse.Namespace) -> "str | bool | None":
+    """``--page-dir`` as ``make_cache``'s ``page_dir``: the folder, ``False`` for ``none``, ``None`` when not given."""
+    page_dir = getattr(args, "page_dir", None)
+    return False if page_dir is not None and page_dir.strip().lower() == "none" else page_dir
+
+
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     """``--max-tokens``, ``--temp``, ``--top-p``, ``--top-k``, ``--min-p``, ``--seed``, as mlx_lm.generate's."""
     group = parser.add_argument_group("sampling")

@@ -22,7 +22,7 @@ from ..openblas import openblas_library, openblas_loaded
 from ..paged_storage import DEFAULT_PAGES
 from ..plan import page_folder, paged_tokens, plan_cache, sketch_bytes_per_token, tiers_storage
 from ..resolve import check_architecture, hub_weights_nbytes, resolve_model
-from .flags import add_model_argument, add_page_options
+from .flags import add_model_argument, add_page_options, page_dir_flag
 
 PLAN_TOKENS = (8 * 1024, 32 * 1024, 128 * 1024)
 
@@ -135,8 +135,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     full = per_token * compare_at
     held = plan_cache(resolved.path, min(budget.tokens, compare_at), budget.storage).nbytes(resolved.path)
     # The memory rule's page store (as chat plans it, at the context): entries in the dtype, the sketch, the pages.
-    flag, pages = args.page_dir, args.pages or DEFAULT_PAGES
-    given = False if flag is not None and flag.strip().lower() == "none" else flag
+    given, pages = page_dir_flag(args), args.pages or DEFAULT_PAGES
     folder = page_folder(given, resolved.path, budget.request, pages=pages, available=free)
     paged = budget.request.tokens is None and folder is not None
     if paged:
